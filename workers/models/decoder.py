@@ -1,0 +1,188 @@
+"""Llama-3.x / Qwen2 / Qwen3 decoder in plain PyTorch, reading and writing a slot-based KV cache.
+
+Weight names follow Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...), so a Hugging Face
+state dict loads directly and GGUF tensors are renamed to it by the loader.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ssd.workers.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as the reference implementations do), scale in the model dtype.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with llama3-style scaling when the config asks for it."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling or {}
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    if rope_type == "llama3":
+        factor = rs["factor"]
+        low_freq_factor = rs.get("low_freq_factor", 1.0)
+        high_freq_factor = rs.get("high_freq_factor", 4.0)
+        old_ctx = rs.get("original_max_position_embeddings", 8192)
+        low_freq_wavelen = old_ctx / low_freq_factor
+        high_freq_wavelen = old_ctx / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif rope_type == "linear":
+        inv_freq = inv_freq / rs["factor"]
+    elif rope_type not in ("default",):
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView) -> torch.Tensor:
+        B, n, _ = x.shape  # x: [B, n, D]
+        q = self.q_proj(x).view(B, n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, n, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, n, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)  # [B, H, n, hd]
+        k = k.transpose(1, 2)  # [B, Hkv, n, hd]
+        v = v.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = kv.write_and_read(k, v)  # [B, Hkv, Lmax, hd]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=kv.mask, enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KVView:
+    """What one forward needs from the KV cache, per layer: where to write the new keys and what to attend.
+
+    Built by the model runner; `layer` is advanced by the model as it walks its layers.
+    """
+
+    def __init__(
+        self,
+        k_cache: torch.Tensor,  # [L, S, Hkv, max_len, hd]
+        v_cache: torch.Tensor,
+        slot_index: torch.Tensor | slice,  # rows of the cache used by this batch
+        write_b: torch.Tensor,  # [T] batch row of each valid new token
+        write_slot: torch.Tensor,  # [T] cache slot of each valid new token
+        write_pos: torch.Tensor,  # [T] cache position of each valid new token
+        write_src: torch.Tensor,  # [T] flat index into [B * n] of each valid new token
+        read_len: int,  # Lmax: positions attended (max over the batch of len + n)
+        mask: torch.Tensor,  # [B, 1, n, Lmax] bool, True = may attend
+    ) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.slot_index = slot_index
+        self.write_slot, self.write_pos, self.write_src = write_slot, write_pos, write_src
+        self.write_b = write_b
+        self.read_len = read_len
+        self.mask = mask
+        self.layer = 0
+
+    def write_and_read(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, Hkv, n, hd = k.shape
+        kc, vc = self.k_cache[self.layer], self.v_cache[self.layer]  # [S, Hkv, max_len, hd]
+        k_flat = k.transpose(1, 2).reshape(B * n, Hkv, hd)[self.write_src]  # [T, Hkv, hd]
+        v_flat = v.transpose(1, 2).reshape(B * n, Hkv, hd)[self.write_src]
+        kc[self.write_slot, :, self.write_pos] = k_flat
+        vc[self.write_slot, :, self.write_pos] = v_flat
+        if isinstance(self.slot_index, slice):
+            keys = kc[self.slot_index, :, : self.read_len]  # a view, no copy
+            values = vc[self.slot_index, :, : self.read_len]
+        else:
+            keys = kc[self.slot_index, :, : self.read_len]
+            values = vc[self.slot_index, :, : self.read_len]
+        return keys, values
+
+
+class DecoderModel(nn.Module):
+    """Decoder-only transformer. `forward` returns final hidden states; `logits` applies the LM head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, n, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, n, hd]
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, n, hd]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVView) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, n, D]
+        cos, sin = self.rope(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            kv.layer = i
+            x = layer(x, cos, sin, kv)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
