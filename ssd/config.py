@@ -1,0 +1,52 @@
+"""One dataclass with every engine setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("ar", "sd", "ngram", "ssd", "auto")
+BACKUPS = ("auto", "neural", "ngram", "random")
+
+
+@dataclass
+class Config:
+    target: Any  # alias, path, or a DecoderModel (tests)
+    draft: Any = None
+    mode: str | None = None  # default: "auto" with a draft, else "ar"
+    device: str = "cpu"
+    draft_device: str | None = None
+    dtype: str = "bfloat16"
+    k: int | None = None  # draft length; None = chosen from measured latencies
+    fanout: int | list[int] | None = None  # SSD budget B (int) or explicit F_0..F_K
+    fanout_kind: str = "geometric"  # or "uniform"
+    saguaro_c: float = 1.0  # Saguaro sampling coefficient (1.0 = plain draft sampling)
+    backup: str = "auto"
+    max_batch: int = 8
+    max_len: int = 2048
+    ngram_max: int = 4
+    target_threads: int | None = None
+    draft_threads: int | None = None
+    target_cores: list[int] | None = None
+    draft_cores: list[int] | None = None
+    use_ray: bool | None = None  # default: True for ssd/auto (draft on its own process), else False
+    ray_address: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode is None:
+            self.mode = "auto" if self.draft is not None else "ar"
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
+        if self.mode in ("sd", "ssd") and self.draft is None:
+            raise ValueError(f"mode {self.mode!r} needs a draft model (draft=...)")
+        if self.backup not in BACKUPS:
+            raise ValueError(f"unknown backup {self.backup!r}; choose from {', '.join(BACKUPS)}")
+        if self.k is not None and not (isinstance(self.k, int) and 1 <= self.k <= 32):
+            raise ValueError(f"k must be an integer in 1..32, got {self.k!r}")
+        if not 0.0 <= self.saguaro_c <= 1.0:
+            raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}; use bfloat16 or float32")

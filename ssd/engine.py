@@ -1,0 +1,149 @@
+"""Engine: admits requests, runs one decoding round per step over the running batch, retires them."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+from ssd.handles import WorkerHandle
+from ssd.modes.base import Mode
+from ssd.modes.sd import spec_of
+from ssd.sampling_params import SamplingParams
+from ssd.scheduler import Scheduler
+from ssd.sequence import Sequence, Status
+
+
+class Engine:
+    def __init__(
+        self,
+        target: WorkerHandle,
+        mode: Mode,
+        *,
+        tokenizer: Any | None,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        max_len: int,
+        max_batch: int,
+    ) -> None:
+        self.target = target
+        self.mode = mode
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_len = max_len
+        self.scheduler = Scheduler(max_batch)
+        self._ids = itertools.count()
+        self.lock = threading.Lock()  # the server steps the engine from one thread, adds from another
+        self.totals = {"requests": 0, "drafted_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0}
+        self.busy_s = 0.0  # wall time spent inside step()
+
+    # -- requests ----------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer files; pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return ids
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        # The cache holds prompt + output + one round of speculation.
+        need = len(ids) + params.max_tokens + self.mode.k + 1
+        if need > self.max_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"length {self.max_len - self.mode.k - 1} of this engine"
+            )
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return Sequence(next(self._ids), ids, params, self.eos_token_ids, decode,
+                        prompt if isinstance(prompt, str) else None)
+
+    def add(self, seq: Sequence) -> None:
+        with self.lock:
+            self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        with self.lock:
+            was_running = seq.status is Status.RUNNING
+            self.scheduler.remove(seq)
+            if not seq.finished:
+                seq.status = Status.FINISHED
+                seq.finish_reason = "abort"
+            if was_running:
+                self._release(seq)
+
+    # -- the loop ----------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """One round: admit, speculate + verify, append tokens, retire finished. Returns new tokens."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _step(self) -> list[tuple[Sequence, list[int]]]:
+        with self.lock:
+            for seq in self.scheduler.admit():
+                try:
+                    self.target.call("add", seq.seq_id, seq.prompt_ids, spec_of(seq)).result()
+                    self.mode.add(seq)
+                except Exception:
+                    self.scheduler.remove(seq)
+                    seq.status = Status.FINISHED
+                    seq.finish_reason = "error"
+                    self.target.call("remove", seq.seq_id)
+                    raise
+            running = list(self.scheduler.running)
+            if not running:
+                return []
+            outcomes = self.mode.round(running)
+            emitted = []
+            for seq, o in zip(running, outcomes):
+                kept = seq.append(o.tokens)
+                seq.metrics.emitted_tokens += len(kept)
+                self.totals["emitted_tokens"] += len(kept)
+                emitted.append((seq, kept))
+            for seq in self.scheduler.retire():
+                self._release(seq)
+            return emitted
+
+    def _release(self, seq: Sequence) -> None:
+        self.target.call("remove", seq.seq_id)
+        self.mode.remove(seq)
+        self.totals["requests"] += 1
+        self.totals["drafted_tokens"] += seq.metrics.drafted_tokens
+        self.totals["accepted_tokens"] += seq.metrics.accepted_tokens
+
+    def stats_dict(self) -> dict:
+        """Aggregated over finished requests (tokens) and all rounds (mode statistics)."""
+        st = self.mode.stats
+        t = self.totals
+        hits, misses = sum(st.hits_per_k.values()), sum(st.misses_per_k.values())
+        return {
+            "mode": self.mode.name,
+            "k": self.mode.k,
+            **t,
+            "rounds": st.rounds,
+            "acceptance_rate": t["accepted_tokens"] / t["drafted_tokens"] if t["drafted_tokens"] else 0.0,
+            "tau": t["emitted_tokens"] / st.rounds if st.rounds else 0.0,
+            "tokens_per_s": t["emitted_tokens"] / self.busy_s if self.busy_s else 0.0,
+            "draft_s": st.draft_s,
+            "verify_s": st.verify_s,
+            "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "cache_hits_per_k": dict(sorted(st.hits_per_k.items())),
+            "cache_misses_per_k": dict(sorted(st.misses_per_k.items())),
+            "policy": dict(st.policy),
+        }

@@ -1,0 +1,96 @@
+"""Public in-process API: `LLM(target=..., draft=..., mode=...)` and `llm.generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ssd.config import Config
+from ssd.engine import Engine
+from ssd.outputs import Output
+from ssd.sampling_params import SamplingParams
+from ssd.sequence import Sequence
+
+log = logging.getLogger("ssd")
+
+
+class LLM:
+    def __init__(self, target: Any, draft: Any = None, mode: str | None = None, **kwargs: Any) -> None:
+        self.config = Config(target=target, draft=draft, mode=mode, **kwargs)
+        from ssd.build import build_engine
+
+        self._t0 = time.perf_counter()
+        self.engine, self._handles, self.tokenizer = build_engine(self.config)
+
+    # -- generation ---------------------------------------------------------------------------
+    def _normalise(
+        self, prompts: Any, params: SamplingParams | list[SamplingParams] | None
+    ) -> tuple[list[Any], list[SamplingParams]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        return prompts, plist
+
+    def generate(
+        self, prompts: Any, params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Output]:
+        """Generate for a batch of prompts (strings or token-id lists); one Output per prompt, in order."""
+        prompts, plist = self._normalise(prompts, params)
+        # Validate every prompt before queueing any, so a bad one rejects the call without side effects.
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
+        for s in seqs:
+            self.engine.add(s)
+        while any(not s.finished for s in seqs):
+            self.engine.step()
+        return [self._output(s) for s in seqs]
+
+    def stream(self, prompt: Any, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text pieces of one request as they are produced."""
+        seq = self.engine.make_sequence(prompt, params or SamplingParams())
+        self.engine.add(seq)
+        sent = 0
+        try:
+            while not seq.finished:
+                self.engine.step()
+                if len(seq.text) > sent and not seq.text.endswith("\ufffd"):
+                    yield seq.text[sent:]
+                    sent = len(seq.text)
+            if len(seq.text) > sent:
+                yield seq.text[sent:]
+        finally:
+            if not seq.finished:
+                self.engine.abort(seq)
+        self.last_stream_output = self._output(seq)
+
+    @staticmethod
+    def _output(s: Sequence) -> Output:
+        return Output(
+            request_id=s.seq_id,
+            prompt=s.prompt_text,
+            prompt_token_ids=s.prompt_ids,
+            text=s.text,
+            token_ids=list(s.output_ids),
+            finish_reason=s.finish_reason,
+            metrics=s.metrics.as_dict(),
+        )
+
+    def stats(self) -> dict:
+        return self.engine.stats_dict()
+
+    def shutdown(self) -> None:
+        for h in self._handles:
+            h.shutdown()
+        self._handles = []
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

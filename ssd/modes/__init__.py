@@ -1,0 +1,1 @@
+"""Decoding modes: each runs one speculation round for the running batch."""

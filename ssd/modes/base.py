@@ -1,0 +1,69 @@
+"""What every decoding mode implements, and the round statistics they share."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ssd.handles import WorkerHandle
+from ssd.sequence import Sequence
+from ssd.workers.messages import Draft, Outcome
+
+
+@dataclass
+class RoundStats:
+    rounds: int = 0
+    draft_s: float = 0.0  # time on the critical path waiting for drafts
+    verify_s: float = 0.0  # time waiting for the target
+    policy: Counter = field(default_factory=Counter)
+    hits_per_k: Counter = field(default_factory=Counter)
+    misses_per_k: Counter = field(default_factory=Counter)
+
+
+class Mode:
+    name = "base"
+
+    def __init__(self, target: WorkerHandle, k: int = 4) -> None:
+        self.target = target
+        self.k = k
+        self.stats = RoundStats()
+
+    def add(self, seq: Sequence) -> None:
+        """Register a sequence with the draft side (the engine already added it to the target)."""
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence on the draft side."""
+
+    def round(self, seqs: list[Sequence]) -> list[Outcome]:
+        raise NotImplementedError
+
+    def draft_len(self, seq: Sequence) -> int:
+        # Never draft past max_tokens: a round emits at most k + 1 tokens.
+        return max(0, min(self.k, seq.remaining - 1))
+
+    def _verify(self, drafts: list[Draft], q_draft=None) -> list[Outcome]:
+        t0 = time.perf_counter()
+        outcomes = self.target.call("verify", drafts, q_draft).result()
+        self.stats.verify_s += time.perf_counter() - t0
+        return outcomes
+
+    def _record(self, seqs: list[Sequence], drafts: list[Draft], outcomes: list[Outcome], policy: str) -> None:
+        self.stats.rounds += 1
+        self.stats.policy[policy] += 1
+        for seq, d, o in zip(seqs, drafts, outcomes):
+            m = seq.metrics
+            m.rounds += 1
+            m.drafted_tokens += len(d.tokens)
+            m.accepted_tokens += o.num_accepted
+            m.policy[policy] = m.policy.get(policy, 0) + 1
+
+
+class ARMode(Mode):
+    name = "ar"
+
+    def round(self, seqs: list[Sequence]) -> list[Outcome]:
+        drafts = [Draft(seq_id=s.seq_id) for s in seqs]
+        outcomes = self._verify(drafts)
+        self._record(seqs, drafts, outcomes, "ar")
+        return outcomes

@@ -1,0 +1,112 @@
+"""Autoregressive engine: public API, determinism, stop handling, input validation."""
+
+import pytest
+import torch
+from tiny_models import random_model
+
+from ssd import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    m = LLM(target=random_model(vocab=48, seed=1, scale=3.0), mode="ar", dtype="float32", max_batch=4, max_len=128)
+    yield m
+    m.shutdown()
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Slow, obvious greedy decoding: re-run the whole sequence every step, no KV cache."""
+    from ssd.workers.model_runner import ModelRunner
+
+    ids = list(prompt)
+    out = []
+    for _ in range(n):
+        runner = ModelRunner(model, max_slots=1, max_len=256)
+        s = runner.allocate()
+        logits = runner.forward([s], [ids], last_only=True)[0]
+        t = int(torch.argmax(logits))
+        ids.append(t)
+        out.append(t)
+    return out
+
+
+def test_greedy_matches_no_cache_reference(llm):
+    prompts = [[1, 2, 3], [5, 9, 11, 13, 2, 7], [40]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference_greedy(llm.engine.target.worker.model, p, 12)
+        assert o.finish_reason == "length"
+        assert len(o.token_ids) == 12
+
+
+def test_seeded_request_same_alone_and_in_batch(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([[3, 4, 5]], sp)[0].token_ids
+    others = SamplingParams(temperature=0.8, max_tokens=10, seed=7, ignore_eos=True)
+    batch = llm.generate([[9, 9], [3, 4, 5], [1]], [others, sp, others])
+    assert batch[1].token_ids == alone
+    again = llm.generate([[3, 4, 5]], sp)[0].token_ids
+    assert again == alone
+
+
+def test_continuous_batching_more_requests_than_slots(llm):
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [[i + 1, i + 2] for i in range(10)]  # 10 requests, 4 slots
+    outs = llm.generate(prompts, sp)
+    assert [len(o.token_ids) for o in outs] == [5] * 10
+    solo = [llm.generate([p], sp)[0].token_ids for p in prompts[:3]]
+    assert [o.token_ids for o in outs[:3]] == solo
+
+
+def test_eos_and_stop_token_ids_finish_the_request(llm):
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = llm.generate([[1, 2, 3]], sp)[0].token_ids
+    stop_at = full[4]
+    first = full.index(stop_at)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == full[: first + 1]
+    assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -1}, "top_k"),
+    ],
+)
+def test_invalid_sampling_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_rejected_before_anything_is_queued(llm):
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["text prompt but no tokenizer"])
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, 2, 999]])
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[1] * 120], SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate([[1], [2]], [SamplingParams()])
+    assert not llm.engine.has_work
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown mode"):
+        LLM(target=random_model(), mode="fast")
+    with pytest.raises(ValueError, match="needs a draft"):
+        LLM(target=random_model(), mode="sd")
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(target=random_model(vocab=32), draft=random_model(vocab=40), mode="sd", dtype="float32")
+
+
+def test_stats_and_metrics(llm):
+    outs = llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    m = outs[0].metrics
+    assert m["emitted_tokens"] == 6 and m["rounds"] == 6 and m["tau"] == 1.0
+    st = llm.stats()
+    assert st["mode"] == "ar" and st["emitted_tokens"] >= 6

@@ -1,0 +1,69 @@
+"""Speculative decoding engine: greedy equality with AR, tau, n-gram, stops, max_tokens, metrics."""
+
+import pytest
+from tiny_models import random_model
+
+from ssd import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4], [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6], [20]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = random_model(vocab=40, layers=2, seed=3, scale=2.0)
+    draft = random_model(vocab=40, layers=1, seed=4, scale=2.0)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(models):
+    with LLM(target=models[0], mode="ar", dtype="float32", max_batch=4, max_len=128) as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_sd_greedy_equals_ar(models, ar_outputs, k):
+    with LLM(target=models[0], draft=models[1], mode="sd", k=k, dtype="float32", max_batch=3, max_len=128) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs
+        st = llm.stats()
+        assert st["rounds"] > 0 and st["drafted_tokens"] > 0
+
+
+def test_ngram_greedy_equals_ar(models, ar_outputs):
+    with LLM(target=models[0], mode="ngram", k=4, dtype="float32", max_batch=4, max_len=128) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs
+
+
+def test_draft_equal_to_target_accepts_everything(models):
+    k = 4
+    with LLM(target=models[0], draft=models[0], mode="sd", k=k, dtype="float32", max_batch=2, max_len=128) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5 * (k + 1), ignore_eos=True))[0]
+        m = out.metrics
+        assert m["rounds"] == 5
+        assert m["tau"] == k + 1
+        assert m["acceptance_rate"] == 1.0
+
+
+def test_max_tokens_never_exceeded_and_stop_inside_accepted_run(models, ar_outputs):
+    with LLM(target=models[0], draft=models[0], mode="sd", k=6, dtype="float32", max_batch=4, max_len=128) as llm:
+        for n in (1, 2, 5, 7, 13):
+            out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+            assert out.token_ids == ar_outputs[0][:n]
+        # a stop id that shows up in the middle of a fully accepted run of k + 1 tokens
+        stop = ar_outputs[0][3]
+        first = ar_outputs[0].index(stop)
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop]))[0]
+        assert out.token_ids == ar_outputs[0][: first + 1]
+        assert out.finish_reason == "stop"
+
+
+def test_sd_seeded_sampling_reproducible_in_any_batch(models):
+    sp = SamplingParams(temperature=0.9, max_tokens=12, seed=99, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=9, seed=5, ignore_eos=True)
+    with LLM(target=models[0], draft=models[1], mode="sd", k=3, dtype="float32", max_batch=4, max_len=128) as llm:
+        alone = llm.generate([[1, 2]], sp)[0].token_ids
+        batch = llm.generate([[4], [1, 2], [9, 9, 9]], [other, sp, other])
+        assert batch[1].token_ids == alone

@@ -1,0 +1,105 @@
+"""Shared worker plumbing: model loading, thread control, per-sequence state."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ssd.workers.messages import SamplingSpec
+from ssd.workers.model_runner import ModelRunner
+from ssd.workers.models.decoder import DecoderModel
+from ssd.workers.seq_state import SeqState, make_generator
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def set_threads(num_threads: int | None, cpu_cores: list[int] | None) -> None:
+    """Give this process its own cores: pin it (Linux) and size torch's intra-op pool to match."""
+    if cpu_cores:
+        os.sched_setaffinity(0, set(cpu_cores))
+        if num_threads is None:
+            num_threads = len(cpu_cores)
+    if num_threads:
+        torch.set_num_threads(num_threads)
+
+
+def build_model(model: str | DecoderModel, dtype: torch.dtype, device: str) -> tuple[DecoderModel, object | None]:
+    """A DecoderModel from an alias / path (loaded) or an already-built module (tests). Returns (model, tokenizer)."""
+    if isinstance(model, DecoderModel):
+        return model.to(device=device, dtype=dtype).eval(), None
+    from ssd.workers.loader import load_model
+
+    loaded = load_model(model, dtype=dtype, device=device)
+    return loaded.model, loaded.tokenizer
+
+
+class ModelWorker:
+    """A model runner plus per-sequence state; TargetWorker and DraftWorker build on it."""
+
+    salt = 0
+
+    def __init__(
+        self,
+        model: str | DecoderModel,
+        *,
+        dtype: str | torch.dtype = "bfloat16",
+        device: str = "cpu",
+        max_slots: int = 8,
+        max_len: int = 2048,
+        num_threads: int | None = None,
+        cpu_cores: list[int] | None = None,
+    ) -> None:
+        set_threads(num_threads, cpu_cores)
+        self.device = device
+        self.model, self.tokenizer = build_model(model, parse_dtype(dtype), device)
+        self.config = self.model.config
+        self.runner = ModelRunner(self.model, max_slots=max_slots, max_len=max_len, device=device)
+        self.seqs: dict[int, SeqState] = {}
+
+    def info(self) -> dict:
+        cfg = self.config
+        return {
+            "vocab_size": cfg.vocab_size,
+            "eos_token_ids": list(cfg.eos_token_ids),
+            "max_len": self.runner.max_len,
+            "arch": cfg.arch,
+            "num_threads": torch.get_num_threads(),
+        }
+
+    def ping(self) -> bool:
+        return True
+
+    def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec) -> None:
+        """Prefill all but the last prompt token; the last one is the first pending token."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already added")
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        slot = self.runner.allocate()
+        try:
+            if len(prompt_ids) > 1:
+                self.runner.forward([slot], [prompt_ids[:-1]], last_only=True)
+        except Exception:
+            self.runner.free(slot)
+            raise
+        self.seqs[seq_id] = SeqState(
+            slot=slot, pending=prompt_ids[-1], committed=len(prompt_ids) - 1, spec=spec,
+            gen=make_generator(spec.seed, self.salt),
+        )
+
+    def remove(self, seq_id: int) -> None:
+        st = self.seqs.pop(seq_id, None)
+        if st is not None:
+            self.runner.free(st.slot)
+
+    def num_free_slots(self) -> int:
+        return self.runner.kv.num_free

@@ -1,0 +1,31 @@
+"""What a worker keeps per sequence: its KV slot, the last committed token, its sampling settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ssd.workers.messages import SamplingSpec
+
+
+def make_generator(seed: int | None, salt: int) -> torch.Generator:
+    """Per-request generator: a seeded request draws the same numbers whatever shares its batch.
+
+    `salt` separates the target's and the draft's streams for the same request.
+    """
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed((seed * 1_000_003 + salt) % (2**63))
+    return g
+
+
+@dataclass
+class SeqState:
+    slot: int
+    pending: int  # last committed token: known, not yet in the KV cache
+    committed: int  # committed tokens in the KV cache (speculative ones may sit past it)
+    spec: SamplingSpec
+    gen: torch.Generator

@@ -1,0 +1,124 @@
+"""TargetWorker: owns the target model; verifies speculations and emits tokens (AR = empty draft)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ssd.kernels.sampling import filter_logits
+from ssd.kernels.verify import verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
+from ssd.workers.base import ModelWorker
+from ssd.workers.messages import Draft, Outcome
+
+
+class TargetWorker(ModelWorker):
+    salt = 1
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.last_verify_s = 0.0
+
+    def verify(self, drafts: list[Draft], q_draft: list[torch.Tensor | None] | None = None) -> list[Outcome]:
+        """Score [pending] + draft tokens for each sequence in one forward and verify losslessly.
+
+        q_draft[b] is [K_b, V] (the exact distribution each draft token was sampled from) for
+        drafts of q_kind "dist"; ignored otherwise.
+        """
+        t0 = time.perf_counter()
+        if q_draft is None:
+            q_draft = [None] * len(drafts)
+        chains = [i for i, d in enumerate(drafts) if d.parents is None]
+        trees = [i for i, d in enumerate(drafts) if d.parents is not None]
+        out: list[Outcome | None] = [None] * len(drafts)
+        if chains:
+            for i, o in zip(chains, self._verify_chains([drafts[i] for i in chains], [q_draft[i] for i in chains])):
+                out[i] = o
+        for i in trees:
+            out[i] = self._verify_tree(drafts[i], q_draft[i])
+        self.last_verify_s = time.perf_counter() - t0
+        return out  # type: ignore[return-value]
+
+    def _verify_chains(self, drafts: list[Draft], q_draft: list[torch.Tensor | None]) -> list[Outcome]:
+        states = [self.seqs[d.seq_id] for d in drafts]
+        blocks = [[st.pending, *d.tokens] for st, d in zip(states, drafts)]
+        logits = self.runner.forward([st.slot for st in states], blocks)  # [B, K+1, V]
+        B, n, V = logits.shape
+        K = n - 1
+        draft_tokens = torch.full((B, max(K, 1)), -1, dtype=torch.long)  # [B, K] padded with -1
+        for b, d in enumerate(drafts):
+            draft_tokens[b, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+        draft_tokens = draft_tokens[:, :K]
+        num_draft = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long)
+
+        num_acc = torch.zeros(B, dtype=torch.long)
+        tokens = torch.zeros(B, K + 1, dtype=torch.long)
+        greedy = [b for b, st in enumerate(states) if st.spec.greedy]
+        sampled = [b for b, st in enumerate(states) if not st.spec.greedy]
+        if greedy:
+            g = torch.tensor(greedy)
+            res = verify_greedy(draft_tokens[g], num_draft[g], logits[g])
+            num_acc[g], tokens[g] = res.num_accepted, res.tokens
+        if sampled:
+            s = torch.tensor(sampled)
+            specs = [states[b].spec for b in sampled]
+            p_target = filter_logits(
+                logits[s],
+                torch.tensor([sp.temperature for sp in specs], dtype=torch.float32),
+                torch.tensor([sp.top_k for sp in specs], dtype=torch.long),
+                torch.tensor([sp.top_p for sp in specs], dtype=torch.float32),
+            )  # [Bs, K+1, V]
+            q = torch.zeros(len(sampled), K, V, dtype=torch.float32)  # [Bs, K, V]
+            u_accept = torch.zeros(len(sampled), K, dtype=torch.float32)
+            u_sample = torch.zeros(len(sampled), dtype=torch.float32)
+            for row, b in enumerate(sampled):
+                d, kb = drafts[b], len(drafts[b].tokens)
+                if kb:
+                    if d.q_kind == "dist":
+                        if q_draft[b] is None or tuple(q_draft[b].shape) != (kb, V):
+                            raise ValueError(f"sequence {d.seq_id}: q_draft must be [{kb}, {V}]")
+                        q[row, :kb] = q_draft[b].float()
+                    else:  # point mass: a drafter without probabilities
+                        q[row, torch.arange(kb), torch.tensor(d.tokens)] = 1.0
+                # Fixed draw pattern per sequence: reproducible whatever else is in the batch.
+                gen = states[b].gen
+                u_accept[row, :kb] = torch.rand(kb, generator=gen)
+                u_sample[row] = torch.rand(1, generator=gen)[0]
+            res = verify_rejection(draft_tokens[s], num_draft[s], p_target, q, u_accept, u_sample)
+            num_acc[s], tokens[s] = res.num_accepted, res.tokens
+
+        outcomes = []
+        for b, (st, d) in enumerate(zip(states, drafts)):
+            k = int(num_acc[b])
+            emitted = tokens[b, : k + 1].tolist()
+            st.committed += 1 + k  # pending + accepted drafts now committed in the cache
+            self.runner.truncate(st.slot, st.committed)
+            st.pending = emitted[-1]
+            outcomes.append(Outcome(seq_id=d.seq_id, num_accepted=k, tokens=emitted))
+        return outcomes
+
+    def _verify_tree(self, d: Draft, q_nodes: torch.Tensor | None) -> Outcome:
+        """Verify a token tree: [pending] is node 0, tree node i is node i + 1."""
+        st = self.seqs[d.seq_id]
+        assert d.parents is not None
+        parents = [-1] + [p + 1 if p >= 0 else 0 for p in d.parents]
+        logits = self.runner.forward([st.slot], [[st.pending, *d.tokens]], parents=[parents])[0]  # [N+1, V]
+        tree_tokens = torch.tensor(d.tokens, dtype=torch.long)
+        tree_parents = torch.tensor(d.parents, dtype=torch.long)
+        if st.spec.greedy:
+            path, nxt = verify_tree_greedy(tree_tokens, tree_parents, logits[0], logits[1:])
+        else:
+            sp = st.spec
+            p_target = filter_logits(
+                logits[None], torch.tensor([sp.temperature]), torch.tensor([sp.top_k]), torch.tensor([sp.top_p])
+            )[0]  # [N+1, V]
+            uniforms = torch.rand(2 * len(d.tokens) + 1, generator=st.gen)
+            q_root, q_rest = (None, None) if d.q_kind != "dist" or q_nodes is None else (q_nodes[0], q_nodes[1:])
+            path, nxt = verify_tree_rejection(
+                tree_tokens, tree_parents, p_target[0], p_target[1:], q_root, q_rest, uniforms
+            )
+        self.runner.keep(st.slot, st.committed, [0] + [1 + i for i in path])
+        st.committed += 1 + len(path)
+        st.pending = int(nxt)
+        emitted = [d.tokens[i] for i in path] + [int(nxt)]
+        return Outcome(seq_id=d.seq_id, num_accepted=len(path), tokens=emitted, accepted_nodes=list(path))
