@@ -7,30 +7,55 @@ from typing import Any
 
 from ssd.config import Config
 from ssd.engine import Engine
+from ssd.fanout import FanoutPlanner
 from ssd.handles import LocalHandle, WorkerHandle
 from ssd.modes.base import ARMode, Mode
 from ssd.modes.sd import NgramMode, SDMode
+from ssd.modes.ssd import SSDMode, policy_options
 
 log = logging.getLogger("ssd")
 
 DEFAULT_K = 4
+DEFAULT_FANOUT_PER_POSITION = 2
 
 
-def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None) -> Mode:
+def make_fanout_planner(cfg: Config, k: int) -> FanoutPlanner:
+    if isinstance(cfg.fanout, list):
+        return FanoutPlanner(K=k, B=sum(cfg.fanout), explicit=list(cfg.fanout))
+    budget = cfg.fanout if isinstance(cfg.fanout, int) else DEFAULT_FANOUT_PER_POSITION * (k + 1)
+    return FanoutPlanner(K=k, B=budget, kind=cfg.fanout_kind)
+
+
+def draft_headroom(cfg: Config) -> int:
+    """Extra draft KV positions for SSD's tree region: K chain nodes plus B branches of K nodes."""
     k = cfg.k or DEFAULT_K
-    if cfg.mode == "ar":
+    planner = make_fanout_planner(cfg, k)
+    return (k + 1) * (planner.B + 1)
+
+
+def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, vocab_size: int) -> Mode:
+    k = cfg.k or DEFAULT_K
+    if cfg.mode == "ar" or (cfg.mode == "auto" and draft is None):
         return ARMode(target, k=k)
     if cfg.mode == "ngram":
         return NgramMode(target, k=k, max_n=cfg.ngram_max)
-    if cfg.mode == "sd" or (cfg.mode == "auto" and draft is not None):
-        assert draft is not None
+    assert draft is not None
+    if cfg.mode == "sd":
         return SDMode(target, draft, k=k)
-    if cfg.mode == "auto":
-        return ARMode(target, k=k)
-    raise ValueError(f"mode {cfg.mode!r} is not available")
+    return SSDMode(
+        target, draft, k, make_fanout_planner(cfg, k), backup=cfg.backup,
+        allowed=policy_options(cfg.mode, cfg.backup), vocab_size=vocab_size, ngram_max=cfg.ngram_max,
+    )
 
 
 def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
+    if cfg.use_ray:  # workers as Ray actors (launch/placement.py)
+        from ssd.launch.placement import place_workers
+
+        draft_kwargs = dict(max_len=cfg.max_len + draft_headroom(cfg), saguaro_c=cfg.saguaro_c)
+        rtarget, rdraft, rinfo, rtok = place_workers(cfg, draft_kwargs=draft_kwargs)
+        return _assemble(cfg, rtarget, rdraft, rinfo, rtok, [h for h in (rtarget, rdraft) if h is not None])
+
     from ssd.workers.draft_worker import DraftWorker
     from ssd.workers.target_worker import TargetWorker
 
@@ -46,7 +71,8 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
     if cfg.draft is not None and cfg.mode not in ("ar", "ngram"):
         draft_w = DraftWorker(
             cfg.draft, dtype=cfg.dtype, device=cfg.draft_device or cfg.device, max_slots=max_slots,
-            max_len=cfg.max_len, num_threads=cfg.draft_threads, cpu_cores=cfg.draft_cores,
+            max_len=cfg.max_len + draft_headroom(cfg), num_threads=cfg.draft_threads, cpu_cores=cfg.draft_cores,
+            saguaro_c=cfg.saguaro_c,
         )
         dinfo = draft_w.info()
         if dinfo["vocab_size"] != info["vocab_size"]:
@@ -56,8 +82,14 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
             )
         draft = LocalHandle(draft_w, "draft")
         handles.append(draft)
-    mode = make_mode(cfg, target, draft)
-    tokenizer = target_w.tokenizer
+    return _assemble(cfg, target, draft, info, target_w.tokenizer, handles)
+
+
+def _assemble(
+    cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, info: dict, tokenizer: Any,
+    handles: list[WorkerHandle],
+) -> tuple[Engine, list[WorkerHandle], Any]:
+    mode = make_mode(cfg, target, draft, info["vocab_size"])
     eos = list(info["eos_token_ids"])
     if tokenizer is not None:
         eos = sorted(set(eos) | set(tokenizer.eos_token_ids))

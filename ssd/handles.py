@@ -1,14 +1,28 @@
 """How the coordinator calls a worker: `handle.call(method, *args)` returns a future.
 
 LocalHandle runs the worker in this process on its own thread (torch releases the GIL, so a
-draft and a target on separate threads overlap); launch/ provides the Ray actor handle with
-the same interface.
+draft and a target on separate threads overlap); launch/actors.py provides RayHandle, the same
+interface over a Ray actor.
+
+Both handles accept a future of another call as a top-level argument (the value is used once it
+is ready; over Ray it goes actor to actor without visiting the coordinator), and `call_split`
+gives one future per element of a tuple-returning method, so e.g. the draft's q tensors can go
+straight to the target while the coordinator only fetches the draft tokens.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
+
+
+class WorkerDied(RuntimeError):
+    """A worker process is gone (killed, crashed, its node died) or cannot be reached."""
+
+    def __init__(self, name: str, cause: BaseException | None = None) -> None:
+        super().__init__(f"worker {name!r} died: {cause}")
+        self.name = name
+        self.cause = cause
 
 
 class WorkerFuture(Protocol):
@@ -20,7 +34,13 @@ class WorkerHandle(Protocol):
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> WorkerFuture: ...
 
+    def call_split(self, method: str, n: int, *args: Any, **kwargs: Any) -> list[WorkerFuture]: ...
+
     def shutdown(self) -> None: ...
+
+
+def _resolve(a: Any) -> Any:
+    return a.result() if isinstance(a, Future) else a
 
 
 class LocalHandle:
@@ -30,7 +50,26 @@ class LocalHandle:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
-        return self._pool.submit(getattr(self.worker, method), *args, **kwargs)
+        fn = getattr(self.worker, method)
+        if any(isinstance(a, Future) for a in (*args, *kwargs.values())):
+            return self._pool.submit(
+                lambda: fn(*map(_resolve, args), **{k: _resolve(v) for k, v in kwargs.items()})
+            )
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def call_split(self, method: str, n: int, *args: Any, **kwargs: Any) -> list[Future]:
+        parts: list[Future] = [Future() for _ in range(n)]
+
+        def split(whole: Future) -> None:
+            exc = whole.exception()
+            values = None if exc is not None else tuple(whole.result())
+            if values is not None and len(values) != n:
+                exc, values = ValueError(f"{method} returned {len(values)} values, expected {n}"), None
+            for i, p in enumerate(parts):
+                p.set_exception(exc) if values is None else p.set_result(values[i])
+
+        self.call(method, *args, **kwargs).add_done_callback(split)
+        return parts
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from ssd.config import Config
-from ssd.engine import Engine
 from ssd.outputs import Output
 from ssd.sampling_params import SamplingParams
 from ssd.sequence import Sequence

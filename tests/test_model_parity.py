@@ -114,3 +114,29 @@ def test_slots_are_reused_and_capacity_checked():
         runner.forward([s], [list(range(9))])
     runner.free(s)
     assert runner.allocate() == s
+
+
+def test_tree_grown_over_several_forwards_equals_branches():
+    """The SSD draft's pattern: a cached chain, branches off it, extended one step per forward."""
+    ours = ours_from_hf(hf_model("qwen3"))
+    runner = ModelRunner(ours, max_slots=4, max_len=64)
+    prompt, chain = [2, 4, 6, 8], [10, 11, 12]
+    s = runner.allocate()
+    runner.forward([s], [prompt + chain])
+    runner.open_tree(s, len(prompt))  # chain nodes 0, 1, 2
+    # branches: off the prefix (k=0), off chain node 1 (k=2); then extend both by one token
+    step1 = runner.forward([s], [[20, 21]], parents=[[-1, 1]])[0]
+    step2 = runner.forward([s], [[30, 31]], parents=[[3, 4]])[0]
+    r = runner.allocate()
+    for got, path in [
+        (step1[0], [20]), (step1[1], [10, 11, 21]), (step2[0], [20, 30]), (step2[1], [10, 11, 21, 31])
+    ]:
+        runner.truncate(r, 0)
+        ref = runner.forward([r], [prompt + path])[0, -1]
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # accept branch 2 (chain 0, 1 then nodes 4, 6): continuing equals a plain prefix
+    runner.keep(s, len(prompt), [0, 1, 4, 6])
+    after = runner.forward([s], [[40]])[0, 0]
+    runner.truncate(r, 0)
+    ref = runner.forward([r], [prompt + [10, 11, 21, 31, 40]])[0, -1]
+    torch.testing.assert_close(after, ref, atol=1e-5, rtol=1e-5)

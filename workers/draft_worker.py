@@ -1,9 +1,11 @@
-"""DraftWorker: owns the draft model; proposes K tokens per sequence with their q distributions.
+"""DraftWorker: owns the draft model. Proposes K tokens (plain SD) and, for SSD, prepares the next
+speculation for each likely verification outcome while the target verifies (`speculate`), then
+hands out the prepared one on a hit (`resolve`).
 
-The worker keeps, per sequence, the committed tokens it has not cached yet (`todo`) and the
-speculative tokens it fed while drafting (`spec`). On the next proposal it keeps the cached
-speculative tokens that were accepted, rolls back the rest and feeds what is missing, so a
-rejection costs no recomputation of the prefix.
+Per sequence the worker keeps the committed tokens it has not cached yet (`todo`) and the
+speculative tokens it fed while drafting (`spec_fed`); the next call keeps the cached ones that
+were committed, rolls back the rest and feeds what is missing, so a rejection never recomputes
+the prefix.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssd.kernels.sampling import filter_logits, sample_from_probs
+from ssd.cache.outcome_cache import CacheEntry, OutcomeCache
+from ssd.kernels.sampling import filter_logits, saguaro_probs, sample_from_probs
 from ssd.workers.base import ModelWorker
 from ssd.workers.messages import Draft, SamplingSpec
 from ssd.workers.seq_state import make_generator
@@ -21,89 +24,155 @@ from ssd.workers.seq_state import make_generator
 
 @dataclass
 class DraftSeq:
+    seq_id: int
     slot: int
     spec: SamplingSpec
     gen: torch.Generator
-    base: int  # committed tokens in the KV cache
+    last: int  # last committed token
+    base: int = 0  # committed tokens in the KV cache
     todo: list[int] = field(default_factory=list)  # committed, not cached
     spec_fed: list[int] = field(default_factory=list)  # speculative tokens cached after `base`
+    region_start: int = -1  # SSD: cache position of x_1 in the open tree region
+    round_id: int = -1
+
+
+@dataclass
+class SpecRequest:
+    """Prepare round T+1 for one sequence while the target verifies `tokens` (round T)."""
+
+    seq_id: int
+    round_id: int
+    tokens: list[int]  # x_1..x_K being verified
+    fanout: list[int]  # F_0..F_K: candidate t* per accepted length k
+    next_fanout: list[int]  # F'_0..F'_K of round T+1, for Saguaro sampling of the branches
+    k_next: int  # draft length of round T+1
+
+
+@dataclass
+class Resolution:
+    seq_id: int
+    hit: bool
+    draft: Draft | None  # the next speculation (None: miss without a neural backup)
+    q: torch.Tensor | None
 
 
 class DraftWorker(ModelWorker):
     salt = 2
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, saguaro_c: float = 1.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.dseqs: dict[int, DraftSeq] = {}
+        self.cache = OutcomeCache()
+        self.saguaro_c = saguaro_c
         self.last_propose_s = 0.0
+        self.last_speculate_s = 0.0
 
+    # -- sequences ---------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec) -> None:
         if seq_id in self.dseqs:
             raise ValueError(f"sequence {seq_id} already added")
         slot = self.runner.allocate()
         self.dseqs[seq_id] = DraftSeq(
-            slot=slot, spec=spec, gen=make_generator(spec.seed, self.salt), base=0, todo=list(prompt_ids)
+            seq_id=seq_id, slot=slot, spec=spec, gen=make_generator(spec.seed, self.salt),
+            last=prompt_ids[-1], todo=list(prompt_ids),
         )
 
     def remove(self, seq_id: int) -> None:
         st = self.dseqs.pop(seq_id, None)
+        self.cache.drop(seq_id)
         if st is not None:
             self.runner.free(st.slot)
 
     def commit(self, seq_id: int, tokens: list[int]) -> None:
         """Tokens the target emitted for this sequence (accepted drafts + correction/bonus)."""
-        self.dseqs[seq_id].todo.extend(tokens)
+        st = self.dseqs[seq_id]
+        self._close_region(st)
+        st.todo.extend(tokens)
+        st.last = tokens[-1]
+
+    def _close_region(self, st: DraftSeq) -> None:
+        """Drop an SSD tree region that no resolve() consumed (the policy switched modes)."""
+        if st.region_start >= 0:
+            self.runner.truncate(st.slot, st.base)
+            st.spec_fed = []
+            st.region_start = -1
+            self.cache.drop(st.seq_id)
 
     def _sync(self, st: DraftSeq) -> list[int]:
-        """Reuse cached speculative tokens that got committed; return the committed tokens still to feed."""
+        """Keep cached speculative tokens that got committed; return the committed tokens to feed.
+
+        Never returns an empty list: the last committed token is rolled back and re-fed if needed,
+        because the caller needs the distribution that follows it.
+        """
         m = 0
         while m < min(len(st.spec_fed), len(st.todo)) and st.spec_fed[m] == st.todo[m]:
             m += 1
         st.base += m
+        todo, st.todo, st.spec_fed = st.todo[m:], [], []
+        if not todo:
+            st.base -= 1
+            todo = [st.last]
         self.runner.truncate(st.slot, st.base)
-        st.spec_fed = []
-        todo, st.todo = st.todo[m:], []
         return todo
 
-    def propose(self, requests: list[tuple[int, int]]) -> tuple[list[Draft], list[torch.Tensor | None]]:
-        """Draft k tokens for each (seq_id, k). Returns the drafts and, for sampled rows, q [k, V]."""
+    # -- sampling ----------------------------------------------------------------------------
+    def _sample(
+        self, logits: torch.Tensor, states: list[DraftSeq], fanout: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per row; returns (tokens [B], q [B, V] the exact sampling distribution).
+
+        With Saguaro (C < 1) and a fan-out, rows sample from sigma_{F,C}; verification uses this q.
+        """
+        specs = [s.spec for s in states]
+        temp = torch.tensor([s.temperature for s in specs], dtype=torch.float32)
+        top_k = torch.tensor([s.top_k for s in specs], dtype=torch.long)
+        top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32)
+        probs = filter_logits(logits, temp, top_k, top_p)  # [B, V]
+        sampled = temp > 0  # greedy rows keep their argmax one-hot
+        if fanout is not None and self.saguaro_c < 1.0 and bool(sampled.any()):
+            sag = saguaro_probs(logits, temp, top_k, top_p, torch.tensor(fanout, dtype=torch.long), self.saguaro_c)
+            probs = torch.where(sampled[:, None], sag, probs)
+        u = torch.stack([torch.rand(1, generator=s.gen)[0] for s in states])
+        return sample_from_probs(probs, u), probs
+
+    # -- plain SD ----------------------------------------------------------------------------
+    def propose(
+        self, requests: list[tuple[int, int]], fanout: list[list[int]] | None = None
+    ) -> tuple[list[Draft], list[torch.Tensor | None]]:
+        """Draft k tokens for each (seq_id, k). Returns drafts and, for sampled rows, q [k, V].
+
+        fanout[b] (optional, SSD) is the next round's F_0..F_K, used for Saguaro sampling.
+        """
         t0 = time.perf_counter()
         states = [self.dseqs[sid] for sid, _ in requests]
+        for st in states:
+            self._close_region(st)
         ks = [k for _, k in requests]
         feeds = [self._sync(st) for st in states]
         tokens: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
-        # Rows with nothing to feed (already cached) need the logits of their last cached token:
-        # roll that token back and feed it again, which costs one token in a batched forward.
-        for b, st in enumerate(states):
-            if not feeds[b]:
-                raise RuntimeError(f"draft for sequence {requests[b][0]} has no new committed token to continue from")
         active = [b for b in range(len(requests)) if ks[b] > 0]
+        for b in range(len(requests)):
+            if ks[b] == 0:  # nothing drafted: feed lazily next time
+                states[b].todo = feeds[b]
         step = 0
         while active:
-            slots = [states[b].slot for b in active]
             blocks = [feeds[b] if step == 0 else [tokens[b][-1]] for b in active]
-            logits = self.runner.forward(slots, blocks, last_only=True)  # [B, V]
+            logits = self.runner.forward([states[b].slot for b in active], blocks, last_only=True)  # [B, V]
             for b, blk in zip(active, blocks):
                 if step == 0:
                     states[b].base += len(blk)
                 else:
                     states[b].spec_fed.append(blk[0])
-            probs = self._probs(logits, [states[b].spec for b in active])  # [B, V]
-            u = torch.stack([torch.rand(1, generator=states[b].gen)[0] for b in active])
-            new = sample_from_probs(probs, u)  # [B]
+            fo = None if fanout is None else [fanout[b][min(step, len(fanout[b]) - 1)] for b in active]
+            new, probs = self._sample(logits, [states[b] for b in active], fo)
             for row, b in enumerate(active):
                 tokens[b].append(int(new[row]))
                 if not states[b].spec.greedy:
                     qs[b].append(probs[row])
             step += 1
             active = [b for b in active if len(tokens[b]) < ks[b]]
-        # Rows drafting 0 tokens still feed their committed tokens lazily on the next call.
-        for b, st in enumerate(states):
-            if ks[b] == 0:
-                st.todo = feeds[b]
-        drafts = []
-        q_out: list[torch.Tensor | None] = []
+        drafts, q_out = [], []
         for b, (sid, _) in enumerate(requests):
             greedy = states[b].spec.greedy
             drafts.append(Draft(seq_id=sid, tokens=tokens[b], q_kind="none" if greedy else "dist"))
@@ -111,10 +180,145 @@ class DraftWorker(ModelWorker):
         self.last_propose_s = time.perf_counter() - t0
         return drafts, q_out
 
-    def _probs(self, logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-        return filter_logits(
-            logits,
-            torch.tensor([s.temperature for s in specs], dtype=torch.float32),
-            torch.tensor([s.top_k for s in specs], dtype=torch.long),
-            torch.tensor([s.top_p for s in specs], dtype=torch.float32),
-        )
+    # -- SSD ---------------------------------------------------------------------------------
+    def speculate(self, requests: list[SpecRequest]) -> dict:
+        """While the target verifies x_1..x_K: fill the outcome cache for every likely (k, t*).
+
+        1. glue: one forward over [committed tail, x_1..x_K] gives the draft's distribution after
+           each accepted prefix x_1..x_k (k = 0..K);
+        2. candidates t* for each k: the top-F_k tokens of it, excluding x_{k+1} (a rejected token
+           can never be the correction);
+        3. all branches x_1..x_k, t* are decoded K steps together, one batched tree-masked forward
+           per step, sharing the prefix KV.
+        """
+        t0 = time.perf_counter()
+        states = [self.dseqs[r.seq_id] for r in requests]
+        for st in states:
+            self._close_region(st)
+        feeds = [self._sync(st) for st in states]
+        glue = [f + r.tokens for f, r in zip(feeds, requests)]
+        logits = self.runner.forward([st.slot for st in states], glue)  # [B, n, V]
+        branches: list[list[tuple[int, int]]] = []  # per row: (k, t*)
+        for b, (st, r) in enumerate(zip(states, requests)):
+            st.base += len(feeds[b])
+            st.region_start = st.base
+            st.round_id = r.round_id
+            self.runner.open_tree(st.slot, st.base)  # x_1..x_K become region nodes 0..K-1
+            K = len(r.tokens)
+            first = len(feeds[b]) - 1  # index of the distribution after the last committed token
+            dist = logits[b, first : first + K + 1]  # [K+1, V]: after x_1..x_k for k = 0..K
+            cands = []
+            for k in range(K + 1):
+                f = r.fanout[k] if k < len(r.fanout) else 0
+                if f <= 0:
+                    continue
+                top = torch.topk(dist[k], min(f + 1, dist.shape[-1])).indices.tolist()
+                if k < K:
+                    top = [t for t in top if t != r.tokens[k]]
+                cands.extend((k, t) for t in top[:f])
+            branches.append(cands)
+
+        # Branch decoding: node ids in each row's tree region; chain x_1..x_K are nodes 0..K-1.
+        rows = [b for b in range(len(requests)) if branches[b] and requests[b].k_next > 0]
+        next_node = {b: len(requests[b].tokens) for b in rows}
+        paths = {b: [[*range(k), -1] for k, _ in branches[b]] for b in rows}  # -1: filled below
+        ys: dict[int, list[list[int]]] = {b: [[] for _ in branches[b]] for b in rows}
+        qs: dict[int, list[list[torch.Tensor]]] = {b: [[] for _ in branches[b]] for b in rows}
+        for step in range(max((requests[b].k_next for b in rows), default=0)):
+            active = [b for b in rows if step < requests[b].k_next]
+            toks, pars = [], []
+            for b in active:
+                if step == 0:
+                    toks.append([t for _, t in branches[b]])
+                    pars.append([k - 1 for k, _ in branches[b]])
+                else:
+                    toks.append([y[-1] for y in ys[b]])
+                    pars.append([p[-1] for p in paths[b]])
+            out = self.runner.forward([states[b].slot for b in active], toks, parents=pars)  # [B, n, V]
+            # One batched sampling call over every branch of every row.
+            flat_logits, flat_states, flat_fo = [], [], []
+            for row, b in enumerate(active):
+                nb = len(branches[b])
+                for j in range(nb):
+                    node = next_node[b] + j
+                    if step == 0:
+                        paths[b][j][-1] = node
+                    else:
+                        paths[b][j].append(node)
+                next_node[b] += nb
+                flat_logits.append(out[row, :nb])
+                flat_states.extend([states[b]] * nb)
+                fo = requests[b].next_fanout
+                flat_fo.extend([fo[min(step, len(fo) - 1)] if fo else 0] * nb)
+            new, probs = self._sample(torch.cat(flat_logits), flat_states, flat_fo if any(flat_fo) else None)
+            i = 0
+            for b in active:
+                for j in range(len(branches[b])):
+                    ys[b][j].append(int(new[i]))
+                    if not states[b].spec.greedy:
+                        qs[b][j].append(probs[i])
+                    i += 1
+        for b, r in enumerate(requests):
+            entries: dict[tuple[int, int], CacheEntry] = {}
+            for j, (k, t) in enumerate(branches[b]):
+                if b in ys:
+                    y = ys[b][j]
+                    q = torch.stack(qs[b][j]) if qs[b][j] else None
+                    path = paths[b][j][: k + len(y)]  # x_1..x_k, t*, y_1..y_{K-1} (y_K not fed)
+                else:  # k_next == 0: nothing to draft next round, the hit only saves the sync
+                    y, q, path = [], None, [*range(k)]
+                entries[(k, t)] = CacheEntry(tokens=y, q=q, path=path)
+            self.cache.fill(r.seq_id, r.round_id, entries)
+        self.last_speculate_s = time.perf_counter() - t0
+        return {"seconds": self.last_speculate_s, "branches": sum(len(c) for c in branches)}
+
+    def resolve(
+        self,
+        outcomes: list[tuple[int, int, list[int], int]],
+        neural_backup: bool,
+        fanout: list[list[int]] | None = None,
+    ) -> list[Resolution]:
+        """For each (seq_id, k accepted, emitted tokens, k_next): take the prepared speculation on a
+        hit; on a miss, draft just-in-time if neural_backup, else leave it to a fast backup."""
+        res: list[Resolution] = []
+        misses: list[tuple[int, int]] = []
+        for seq_id, k, emitted, k_next in outcomes:
+            st = self.dseqs[seq_id]
+            start = st.region_start
+            if start < 0:  # no speculation was prepared (first round, or after a plain SD round)
+                self.commit(seq_id, emitted)
+                res.append(Resolution(seq_id, False, None, None))
+                misses.append((seq_id, k_next))
+                continue
+            entry = self.cache.lookup(seq_id, st.round_id, k, emitted[-1])
+            st.region_start = -1
+            st.last = emitted[-1]
+            if entry is not None and (len(entry.tokens) >= k_next):
+                # Keep x_1..x_k, t*, y_1..y_{K-1}: exactly the state after drafting y normally.
+                self.runner.keep(st.slot, start, entry.path)
+                st.base = start + k + 1
+                st.spec_fed = entry.tokens[: len(entry.path) - k - 1]
+                st.todo = []
+                y = entry.tokens[:k_next]
+                q = entry.q[:k_next] if entry.q is not None and k_next else None
+                kind = "none" if st.spec.greedy else "dist"
+                res.append(Resolution(seq_id, True, Draft(seq_id=seq_id, tokens=y, q_kind=kind), q))
+                continue
+            self.runner.truncate(st.slot, start + k)  # x_1..x_k were accepted: keep their KV
+            st.base = start + k
+            st.spec_fed = []
+            st.todo = [emitted[-1]]
+            res.append(Resolution(seq_id, False, None, None))
+            misses.append((seq_id, k_next))
+        if neural_backup and misses:
+            idx = {sid: i for i, (sid, _) in enumerate(misses)}
+            fo = None if fanout is None else [fanout[i] for i, r in enumerate(res) if not r.hit]
+            drafts, qs = self.propose(misses, fo)
+            for r in res:
+                if not r.hit:
+                    i = idx[r.seq_id]
+                    r.draft, r.q = drafts[i], qs[i]
+        return res
+
+    def cache_stats(self) -> dict:
+        return {"hits": dict(self.cache.hits), "misses": dict(self.cache.misses)}

@@ -3,9 +3,16 @@
 A forward appends `tokens[b]` to slot `slots[b]` and returns logits for every new token. The new
 tokens of a row may form a chain (ordinary decode / verification) or a tree (`parents`), scored in
 one pass with a tree attention mask; rollback is `truncate`, tree compaction is `keep`.
+
+A tree can also grow over several forwards (the SSD draft decodes all its branches one step per
+forward): a slot's open *tree region* starts at some cache position, every node in it attends the
+full prefix before the region plus its own ancestors, and later forwards attach new nodes to any
+node already in the region.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,25 +20,31 @@ from ssd.cache.kv_cache import KVCache
 from ssd.workers.models.decoder import DecoderModel, KVView
 
 
-def tree_depths(parents: list[int]) -> list[int]:
-    """Depth of each node (0 = child of the prefix); parents[i] < i, -1 = attached to the prefix."""
-    depth: list[int] = []
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise ValueError(f"tree parent {p} of node {i} must be -1 or an earlier node")
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return depth
+@dataclass
+class TreeRegion:
+    start: int  # cache position of region node 0
+    depth: list[int]  # per node, 0 = child of the prefix
+    anc: torch.Tensor  # [R, R] bool: anc[i, j] = node j is node i or one of its ancestors
 
+    @classmethod
+    def chain(cls, start: int, n: int) -> TreeRegion:
+        return cls(start, list(range(n)), torch.ones(n, n, dtype=torch.bool).tril())
 
-def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool: node i may attend node j iff j is i or an ancestor of i."""
-    n = len(parents)
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            anc[i] = anc[p]
-        anc[i, i] = True
-    return anc
+    def extend(self, parents: list[int]) -> torch.Tensor:
+        """Append nodes (parents index region nodes, -1 = prefix); return their ancestor rows [n, R]."""
+        r0, n = len(self.depth), len(parents)
+        anc = torch.zeros(r0 + n, r0 + n, dtype=torch.bool)
+        anc[:r0, :r0] = self.anc
+        for i, p in enumerate(parents):
+            node = r0 + i
+            if not -1 <= p < node:
+                raise ValueError(f"tree parent {p} of node {node} must be -1 or an earlier node")
+            if p >= 0:
+                anc[node] = anc[p]
+            anc[node, node] = True
+            self.depth.append(0 if p < 0 else self.depth[p] + 1)
+        self.anc = anc
+        return anc[r0:]
 
 
 class ModelRunner:
@@ -51,22 +64,33 @@ class ModelRunner:
         self.kv = KVCache(
             cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, max_len, cfg.head_dim, self.dtype, device
         )
+        self.regions: dict[int, TreeRegion] = {}
 
     # -- slot management -------------------------------------------------------------------
     def allocate(self) -> int:
         return self.kv.allocate()
 
     def free(self, slot: int) -> None:
+        self.regions.pop(slot, None)
         self.kv.free(slot)
 
     def length(self, slot: int) -> int:
         return self.kv.lengths[slot]
 
     def truncate(self, slot: int, length: int) -> None:
+        self.regions.pop(slot, None)
         self.kv.truncate(slot, length)
 
     def keep(self, slot: int, base_len: int, offsets: list[int]) -> None:
+        self.regions.pop(slot, None)
         self.kv.keep(slot, base_len, offsets)
+
+    def open_tree(self, slot: int, start: int) -> None:
+        """Open a tree region at `start`; tokens already cached after it become a chain of nodes."""
+        length = self.kv.lengths[slot]
+        if not 0 <= start <= length:
+            raise ValueError(f"tree start {start} outside slot {slot} of length {length}")
+        self.regions[slot] = TreeRegion.chain(start, length - start)
 
     # -- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -79,8 +103,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Append tokens[b] to slot slots[b]; return logits [B, n, V] float32 (or [B, V] if last_only).
 
-        parents[b], when given, makes row b a tree (see tree_depths); row b's logits at index i are
-        then the target's distribution after node i's path.
+        parents[b], when given, makes row b's tokens tree nodes: parents index the slot's open tree
+        region (opened at the current length if none is open; -1 = child of the prefix). Row b's
+        logits at index i are then the distribution after node i's path.
         """
         B = len(slots)
         if B == 0 or B != len(tokens):
@@ -95,16 +120,29 @@ class ModelRunner:
                 raise ValueError(f"sequence in slot {s} would exceed the KV cache length {self.max_len}")
         dev = self.device
 
-        depth = []
         trees: list[list[int] | None] = list(parents) if parents is not None else [None] * B
+        pos_base = list(base)
+        depth: list[list[int]] = []
+        anc_rows: list[tuple[int, torch.Tensor] | None] = []  # (region start, [n_b, R] ancestor rows)
         for b in range(B):
-            tr = trees[b]
-            if tr is not None and len(tr) != lens[b]:
+            tr, slot = trees[b], slots[b]
+            if tr is None:
+                if slot in self.regions:
+                    raise ValueError(f"slot {slot} has an open tree region; pass parents or truncate/keep first")
+                depth.append(list(range(lens[b])))
+                anc_rows.append(None)
+                continue
+            if len(tr) != lens[b]:
                 raise ValueError("parents must give one parent per new token")
-            depth.append(tree_depths(tr) if tr is not None else list(range(lens[b])))
+            region = self.regions.setdefault(slot, TreeRegion.chain(base[b], 0))
+            r0 = len(region.depth)
+            rows = region.extend(tr)
+            depth.append(region.depth[r0:])
+            pos_base[b] = region.start
+            anc_rows.append((region.start, rows))
 
         pad_ids = [t + [0] * (n - len(t)) for t in tokens]
-        pad_pos = [[b0 + d for d in dep] + [b0] * (n - len(dep)) for b0, dep in zip(base, depth)]
+        pad_pos = [[b0 + d for d in dep] + [b0] * (n - len(dep)) for b0, dep in zip(pos_base, depth)]
         input_ids = torch.tensor(pad_ids, dtype=torch.long, device=dev)  # [B, n]
         positions = torch.tensor(pad_pos, dtype=torch.long, device=dev)  # [B, n]
 
@@ -117,7 +155,7 @@ class ModelRunner:
         write_src = write_b * n + write_i
         read_len = max(b0 + nb for b0, nb in zip(base, lens))
 
-        mask = self._mask(base, lens, trees, n, read_len)
+        mask = self._mask(base, lens, anc_rows, n, read_len)
         if slots == list(range(slots[0], slots[0] + B)):
             slot_index: torch.Tensor | slice = slice(slots[0], slots[0] + B)
         else:
@@ -132,21 +170,25 @@ class ModelRunner:
         return self.model.logits(hidden)  # [B, n, V]
 
     def _mask(
-        self, base: list[int], lens: list[int], trees: list[list[int] | None], n: int, read_len: int
+        self,
+        base: list[int],
+        lens: list[int],
+        anc_rows: list[tuple[int, torch.Tensor] | None],
+        n: int,
+        read_len: int,
     ) -> torch.Tensor:
         """[B, 1, n, read_len] bool: the whole prefix, plus causal (or tree-ancestor) new tokens."""
         dev = self.device
-        B = len(base)
         cols = torch.arange(read_len, device=dev)[None, None, :]  # [1, 1, L]
         rows = torch.arange(n, device=dev)[None, :, None]  # [1, n, 1]
         base_t = torch.tensor(base, device=dev)[:, None, None]  # [B, 1, 1]
         lens_t = torch.tensor(lens, device=dev)[:, None, None]
         causal = cols <= base_t + rows  # prefix + new tokens up to and including this one
         mask = causal & (rows < lens_t)  # [B, n, L]
-        for b, tr in enumerate(trees):
-            if tr is not None:
-                anc = tree_ancestor_mask(tr).to(dev)
-                mask[b, : lens[b], base[b] : base[b] + lens[b]] = anc
+        for b, ar in enumerate(anc_rows):
+            if ar is not None:
+                start, anc = ar  # [n_b, R], R = region nodes including the new ones
+                mask[b, : lens[b], start : start + anc.shape[1]] = anc.to(dev)
         # Padding rows attend position 0 only, so softmax never sees an all-masked row.
         mask[:, :, 0] |= rows[..., 0] >= lens_t[..., 0]
         return mask[:, None]

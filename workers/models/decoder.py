@@ -7,6 +7,7 @@ state dict loads directly and GGUF tensors are renamed to it by the loader.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +88,33 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         keys, values = kv.write_and_read(k, v)  # [B, Hkv, Lmax, hd]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=kv.mask, enable_gqa=self.n_heads != self.n_kv)
+        if kv.rows is not None:
+            return self.o_proj(self._attend_rows(q, keys, values, kv.rows))
+        gqa = self.n_heads != self.n_kv
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=kv.mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, self.n_heads * self.head_dim))
+
+    def _attend_rows(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: list[tuple[int, int, Any]]
+    ) -> torch.Tensor:
+        """Attention one new token at a time, each over exactly the keys it may see, with no mask.
+
+        A token's output then depends only on its own query and keys: the same call (same shapes,
+        same strides) whether it is decoded alone or scored among K+1 tokens, so it gets the same
+        bits. The query heads sharing a KV head are the rows of one SDPA problem.
+        """
+        B, H, n, hd = q.shape
+        q_tok = q.transpose(1, 2)  # [B, n, H, hd]
+        out = q.new_zeros(B, n, H * hd) if len(rows) < B * n else q.new_empty(B, n, H * hd)
+        group = H // self.n_kv
+        for b, i, sel in rows:
+            qr = q_tok[b, i].reshape(1, self.n_kv, group, hd)
+            if isinstance(sel, int):
+                kr, vr = keys[b : b + 1, :, :sel], values[b : b + 1, :, :sel]
+            else:
+                kr, vr = keys[b : b + 1, :, sel], values[b : b + 1, :, sel]
+            out[b, i] = F.scaled_dot_product_attention(qr, kr, vr).reshape(H * hd)
+        return out
 
 
 class MLP(nn.Module):
@@ -140,6 +166,22 @@ class KVView:
         self.read_len = read_len
         self.mask = mask
         self.layer = 0
+        # Set by plan_rows (DecoderModel.batch_invariant): per new token (b, i, keys), keys = L for
+        # cache positions 0..L-1 or a LongTensor of positions; attention then runs token by token.
+        self.rows: list[tuple[int, int, Any]] | None = None
+
+    def plan_rows(self) -> None:
+        """Derive each valid new token's attended cache positions from the mask (once per forward)."""
+        m = self.mask[:, 0]  # [B, n, L]
+        n, L = m.shape[1], m.shape[2]
+        cnt = m.sum(-1)  # [B, n]
+        prefix = (m == (torch.arange(L, device=m.device) < cnt[..., None])).all(-1)  # attends 0..cnt-1
+        cnt_l, prefix_l = cnt.tolist(), prefix.tolist()
+        rows: list[tuple[int, int, Any]] = []
+        for f in self.write_src.tolist():
+            b, i = divmod(f, n)
+            rows.append((b, i, cnt_l[b][i] if prefix_l[b][i] else m[b, i].nonzero().squeeze(1)))
+        self.rows = rows
 
     def write_and_read(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, Hkv, n, hd = k.shape
@@ -170,14 +212,49 @@ class DecoderModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._rope_table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+    # Batch-invariant numerics: when True (set by quantize_model once every linear layer runs a
+    # row-independent kernel), forwards of up to `row_attention_max` new tokens per row run
+    # attention token by token (Attention._attend_rows), so scoring K+1 tokens in one pass gives
+    # each token the bits it gets when decoded alone. Larger forwards (prefill) use one masked SDPA.
+    batch_invariant = False
+    row_attention_max = 128
+
+    def rope_tables(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables [>= length, hd] in `dtype`, grown in fixed chunks of positions.
+
+        Each chunk is always computed with the same shapes, so a position's values never depend on
+        which positions were asked for together (elementwise cos/sin may take a scalar or a
+        vector path depending on the tensor's size).
+        """
+        chunk = 256
+        key = (dtype, self.inv_freq.device, self.inv_freq.data_ptr())
+        have = self._rope_table if self._rope_table is not None and self._rope_table[0] == key else None
+        cur = 0 if have is None else have[1].shape[0]
+        if cur >= length:
+            return have[1], have[2]  # type: ignore[index]
+        new_len = max(length, 2 * cur)
+        new_len = -(-new_len // chunk) * chunk
+        inv = self.inv_freq.float()
+        cos_parts, sin_parts = ([have[1]], [have[2]]) if have is not None else ([], [])
+        for s in range(cur, new_len, chunk):
+            pos = torch.arange(s, s + chunk, device=inv.device, dtype=torch.float32)
+            freqs = pos[:, None] * inv[None]  # [chunk, hd/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [chunk, hd]
+            cos_parts.append(emb.cos().to(dtype))
+            sin_parts.append(emb.sin().to(dtype))
+        self._rope_table = (key, torch.cat(cos_parts), torch.cat(sin_parts))
+        return self._rope_table[1], self._rope_table[2]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, n, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, n, hd]
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, n, hd]
+        cos_t, sin_t = self.rope_tables(int(positions.max()) + 1, dtype)
+        return F.embedding(positions, cos_t)[:, None], F.embedding(positions, sin_t)[:, None]  # [B, 1, n, hd]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVView) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [B, n, D]
+        if self.batch_invariant and kv.rows is None and input_ids.shape[1] <= self.row_attention_max:
+            kv.plan_rows()
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             kv.layer = i

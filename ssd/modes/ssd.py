@@ -1,0 +1,194 @@
+"""Speculative speculative decoding (Saguaro), with the batch-size-aware policy.
+
+Each round: the target verifies the current speculation while the draft, on its own device,
+prepares the next round's speculation for every likely outcome (k, t*) in its outcome cache.
+On a hit the next speculation is ready at once; on a miss a backup drafts (the neural draft
+just in time, or a near-zero-latency n-gram / random drafter). Every speculation, cached or
+not, goes through the same lossless verification.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from ssd.fanout import FanoutPlanner
+from ssd.handles import WorkerHandle
+from ssd.modes.base import Mode
+from ssd.modes.sd import spec_of
+from ssd.policy import CostModel, choose
+from ssd.sequence import Sequence
+from ssd.workers.draft_worker import SpecRequest
+from ssd.workers.messages import Draft, Outcome
+from ssd.workers.ngram import ngram_propose
+
+
+class SSDMode(Mode):
+    name = "ssd"
+
+    def __init__(
+        self,
+        target: WorkerHandle,
+        draft: WorkerHandle,
+        k: int,
+        planner: FanoutPlanner,
+        *,
+        backup: str = "auto",
+        allowed: tuple[str, ...] = ("ssd_neural", "ssd_fast"),
+        vocab_size: int,
+        ngram_max: int = 4,
+    ) -> None:
+        super().__init__(target, k)
+        self.draft = draft
+        self.planner = planner
+        self.backup = backup
+        self.allowed = allowed
+        self.vocab_size = vocab_size
+        self.ngram_max = ngram_max
+        self.cost = CostModel()
+        # seq_id -> (draft, q, source) of the speculation the target verifies next
+        self.current: dict[int, tuple[Draft, torch.Tensor | None, str]] = {}
+        self.fanout_used: dict[int, list[int]] = {}
+        self._rng: dict[int, random.Random] = {}
+        self.round_id = 0
+        self.last_choice = ""
+        self.last_scores: dict[str, float] = {}
+
+    # -- sequences ---------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.draft.call("add", seq.seq_id, seq.prompt_ids, spec_of(seq)).result()
+        self._rng[seq.seq_id] = random.Random(seq.params.seed if seq.params.seed is not None else seq.seq_id)
+
+    def remove(self, seq: Sequence) -> None:
+        self.current.pop(seq.seq_id, None)
+        self.fanout_used.pop(seq.seq_id, None)
+        self._rng.pop(seq.seq_id, None)
+        self.planner.forget(seq.seq_id)
+        self.draft.call("remove", seq.seq_id)
+
+    # -- policy ------------------------------------------------------------------------------
+    def _choose(self, batch: int) -> str:
+        if len(self.allowed) == 1:
+            choice, self.last_scores = self.allowed[0], {}
+        else:
+            choice, self.last_scores = choose(self.cost, batch, self.k, self.allowed)
+        self.last_choice = choice
+        return choice
+
+    def _fast_backup(self, seq: Sequence, emitted: list[int], k: int) -> Draft:
+        if self.backup == "random":
+            rng = self._rng[seq.seq_id]
+            tokens = [rng.randrange(self.vocab_size) for _ in range(k)]
+        else:
+            tokens = ngram_propose(seq.prompt_ids + seq.output_ids + emitted, k, self.ngram_max)
+        return Draft(seq_id=seq.seq_id, tokens=tokens, q_kind="point")
+
+    # -- one round ---------------------------------------------------------------------------
+    def round(self, seqs: list[Sequence]) -> list[Outcome]:
+        choice = self._choose(len(seqs))
+        if choice == "ar":
+            return self._ar_round(seqs)
+        missing = [s for s in seqs if s.seq_id not in self.current]
+        if missing and choice == "ssd_fast":  # no prepared speculation: the fast backup drafts
+            for s in missing:
+                self.current[s.seq_id] = (self._fast_backup(s, [], self.draft_len(s)), None, "backup")
+        elif missing:  # just-in-time neural drafts (first round, or after an SD / AR round)
+            t0 = time.perf_counter()
+            fo = [self.planner.plan(s.seq_id, "primary") for s in missing]
+            drafts, qs = self.draft.call("propose", [(s.seq_id, self.draft_len(s)) for s in missing], fo).result()
+            dt = time.perf_counter() - t0
+            self.stats.draft_s += dt
+            self.cost.draft_step.update(dt / max(1, max(len(d.tokens) for d in drafts)))
+            for s, d, q in zip(missing, drafts, qs):
+                self.current[s.seq_id] = (d, q, "primary")
+        drafts = [self.current[s.seq_id][0] for s in seqs]
+        q_draft = [self.current[s.seq_id][1] for s in seqs]
+        sources = [self.current[s.seq_id][2] for s in seqs]
+        if choice == "sd":
+            outcomes = self._timed_verify(drafts, q_draft)
+            for o in outcomes:
+                self.draft.call("commit", o.seq_id, o.tokens)
+            self.current.clear()
+        else:
+            outcomes = self._ssd_round(seqs, drafts, q_draft, sources, neural=choice == "ssd_neural")
+        for s, d, o, src in zip(seqs, drafts, outcomes, sources):
+            self.planner.observe_round(s.seq_id, src, len(d.tokens), o.num_accepted)
+            if d.tokens:
+                rate = o.num_accepted / (o.num_accepted + (1 if o.num_accepted < len(d.tokens) else 0))
+                (self.cost.fast_acceptance if d.q_kind == "point" else self.cost.acceptance).update(rate)
+        self._record(seqs, drafts, outcomes, choice)
+        return outcomes
+
+    def _timed_verify(self, drafts: list[Draft], q_draft: list) -> list[Outcome]:
+        t0 = time.perf_counter()
+        outcomes = self._verify(drafts, q_draft)
+        self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), time.perf_counter() - t0)
+        return outcomes
+
+    def _ar_round(self, seqs: list[Sequence]) -> list[Outcome]:
+        drafts = [Draft(seq_id=s.seq_id) for s in seqs]
+        outcomes = self._timed_verify(drafts, [None] * len(seqs))
+        for o in outcomes:
+            self.draft.call("commit", o.seq_id, o.tokens)
+        self.current.clear()
+        self._record(seqs, drafts, outcomes, "ar")
+        return outcomes
+
+    def _ssd_round(
+        self, seqs: list[Sequence], drafts: list[Draft], q_draft: list, sources: list[str], neural: bool
+    ) -> list[Outcome]:
+        self.round_id += 1
+        requests = []
+        for s, d, src in zip(seqs, drafts, sources):
+            fanout = self.planner.plan(s.seq_id, src)
+            self.fanout_used[s.seq_id] = fanout
+            requests.append(
+                SpecRequest(
+                    seq_id=s.seq_id, round_id=self.round_id, tokens=d.tokens, fanout=fanout[: len(d.tokens) + 1],
+                    next_fanout=self.planner.plan(s.seq_id, "primary"), k_next=self.k,
+                )
+            )
+        t0 = time.perf_counter()
+        fut_v = self.target.call("verify", drafts, q_draft)
+        fut_s = self.draft.call("speculate", requests)  # runs on the draft's device meanwhile
+        outcomes = fut_v.result()
+        t_verify = time.perf_counter() - t0
+        self.stats.verify_s += t_verify
+        self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), t_verify)
+        t1 = time.perf_counter()
+        info = fut_s.result()
+        self.cost.speculate.update(info["seconds"])
+        resolve_in = []
+        for s, o in zip(seqs, outcomes):
+            k_next = max(0, min(self.k, s.remaining - len(o.tokens) - 1))
+            resolve_in.append((s.seq_id, o.num_accepted, o.tokens, k_next))
+        fo = [self.planner.plan(s.seq_id, "primary") for s in seqs]
+        resolutions = self.draft.call("resolve", resolve_in, neural, fo).result()
+        self.stats.draft_s += time.perf_counter() - t1  # speculation overrun + lookup + backup
+        hits = 0
+        for s, o, r, (_, _, _, k_next) in zip(seqs, outcomes, resolutions, resolve_in):
+            fanout = self.fanout_used[s.seq_id]
+            f_k = fanout[o.num_accepted] if o.num_accepted < len(fanout) else 0
+            self.planner.observe_hit(f_k, r.hit)
+            (self.stats.hits_per_k if r.hit else self.stats.misses_per_k)[o.num_accepted] += 1
+            m = s.metrics
+            if r.hit:
+                hits += 1
+                m.cache_hits += 1
+                self.current[s.seq_id] = (r.draft, r.q, "primary")
+            else:
+                m.cache_misses += 1
+                if r.draft is not None:
+                    self.current[s.seq_id] = (r.draft, r.q, "backup")
+                else:
+                    self.current[s.seq_id] = (self._fast_backup(s, o.tokens, k_next), None, "backup")
+        self.cost.p_hit.update(hits / len(seqs))
+        return outcomes
+
+
+def policy_options(mode: str, backup: str) -> tuple[str, ...]:
+    """Which options the per-round policy may pick: mode="auto" also considers SD and AR."""
+    ssd_opts = {"auto": ("ssd_neural", "ssd_fast"), "neural": ("ssd_neural",)}.get(backup, ("ssd_fast",))
+    return ssd_opts + ("sd", "ar") if mode == "auto" else ssd_opts

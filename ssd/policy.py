@@ -1,0 +1,76 @@
+"""Batch-size-aware choice of the decoding strategy for the next round (ssd-algorithm.md 3c, 4).
+
+Options: SSD with the neural (just-in-time draft) backup, SSD with a fast (n-gram / random) backup,
+plain SD, plain AR. Each is scored by expected seconds per emitted token from online estimates:
+verification cost as a function of tokens scored, draft cost per step, speculation time, cache
+hit rate and acceptance. The cheapest wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OPTIONS = ("ssd_neural", "ssd_fast", "sd", "ar")
+
+
+@dataclass
+class Ema:
+    value: float
+    alpha: float = 0.2
+    n: int = 0
+
+    def update(self, x: float) -> None:
+        self.value = x if self.n == 0 else (1 - self.alpha) * self.value + self.alpha * x
+        self.n += 1
+
+
+@dataclass
+class CostModel:
+    """Online estimates, all in seconds. Verification: t_v(n) = v0 + v1 * n for n scored tokens."""
+
+    v0: Ema = field(default_factory=lambda: Ema(0.05))
+    v1: Ema = field(default_factory=lambda: Ema(0.002))
+    draft_step: Ema = field(default_factory=lambda: Ema(0.02))  # one batched draft forward
+    speculate: Ema = field(default_factory=lambda: Ema(0.08))  # SSD draft work for one round
+    acceptance: Ema = field(default_factory=lambda: Ema(0.7))  # per-token, neural draft
+    fast_acceptance: Ema = field(default_factory=lambda: Ema(0.2))  # per-token, fast backup
+    p_hit: Ema = field(default_factory=lambda: Ema(0.5))  # per-sequence hit rate
+
+    def verify_time(self, n_tokens: int) -> float:
+        return max(self.v0.value + self.v1.value * n_tokens, 1e-6)
+
+    def observe_verify(self, n_tokens: int, seconds: float) -> None:
+        # Attribute the residual to the intercept; slope only moves when n differs from the mean.
+        pred = self.verify_time(n_tokens)
+        err = seconds - pred
+        self.v0.update(self.v0.value + 0.5 * err)
+        if n_tokens > 1:
+            self.v1.update(max(0.0, self.v1.value + 0.5 * err / n_tokens))
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Expected emitted tokens of a round with k drafts at per-token acceptance a: (1 - a^(k+1)) / (1 - a)."""
+    a = min(max(a, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def choose(cost: CostModel, batch: int, k: int, allowed: tuple[str, ...] = OPTIONS) -> tuple[str, dict[str, float]]:
+    """Return the option with the lowest expected seconds per emitted token, and all the scores."""
+    a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.p_hit.value
+    e_sd = expected_tokens(a, k)
+    e_fast = expected_tokens(a_fast, k)
+    t_ver = cost.verify_time(batch * (k + 1))
+    t_draft = k * cost.draft_step.value
+    all_hit = p**batch  # one miss stalls the whole batch
+    scores: dict[str, float] = {}
+    # AR: one token per sequence per target step.
+    scores["ar"] = cost.verify_time(batch) / batch
+    # SD: the draft runs before the target, on the critical path.
+    scores["sd"] = (t_draft + t_ver) / (batch * e_sd)
+    # SSD: speculation overlaps verification; a miss costs the backup's latency.
+    overlap = max(t_ver, cost.speculate.value)
+    scores["ssd_neural"] = (overlap + (1 - all_hit) * t_draft) / (batch * e_sd)
+    tok_fast = batch * (p * e_sd + (1 - p) * e_fast)
+    scores["ssd_fast"] = overlap / tok_fast
+    best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])
+    return best, scores

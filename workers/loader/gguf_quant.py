@@ -1,0 +1,128 @@
+"""Quantised loading: `load_model(..., quantization="int8" | "int4")`.
+
+* "int8": every linear layer (lm_head included) becomes Int8Linear, rounded to nearest from the
+  floating-point weights the loader produced.
+* "int4" from a GGUF file: each Q4_K linear weight becomes an Int4Linear holding the file's own
+  4-bit codes (a Q4_K sub-block of 32 is an affine int4 group: no re-rounding, only scale and zero
+  are rounded to the activation dtype). Linear weights stored with more bits (Q5_0, Q6_K, Q8_0,
+  F16/F32) become Int8Linear, so nothing is stored with less precision than the file has;
+  lm_head is int8.
+* "int4" from floating-point weights (Hugging Face directories): Int4Linear round-to-nearest
+  (groups of 32), lm_head int8.
+
+The Q4_K codes are cached beside the dequantised weights (`<key>-q4k.safetensors`): the packed
+layout the kernel reads depends on the CPU, so the cache holds plain nibbles and packing happens
+at load time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ssd.workers.loader.gguf_loader import (
+    _atomic_write,
+    cache_key,
+    default_cache_dir,
+    hf_name,
+    unpermute_rope,
+)
+from ssd.workers.models.config import ModelConfig
+from ssd.workers.models.decoder import DecoderModel
+from ssd.workers.models.quant import QUANT_MODES, Int4Linear, q4k_to_affine, quantize_model
+
+log = logging.getLogger("ssd.quant")
+
+Q4K_CACHE_FORMAT = 1
+
+
+def _linear_names(model: DecoderModel) -> set[str]:
+    return {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _extract_q4k(
+    path: Path, cfg: ModelConfig, linear_names: set[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The file's Q4_K linear weights as {name.codes [N, K/2] nibbles, name.scale, name.offset}, + types."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or not name.endswith(".weight") or name[: -len(".weight")] not in linear_names:
+            continue
+        mod = name[: -len(".weight")]
+        types[mod] = t.tensor_type.name
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_K:
+            continue
+        k, n = (int(x) for x in t.shape[:2])  # GGUF lists ne[] innermost first
+        if not Int4Linear.supports(n, k):
+            types[mod] += " (shape unsupported by the int4 kernel)"
+            continue
+        codes, scale, offset = q4k_to_affine(torch.from_numpy(t.data.copy()), n, k)
+        if cfg.arch == "llama" and mod.endswith(("q_proj", "k_proj")):
+            heads = cfg.num_attention_heads if mod.endswith("q_proj") else cfg.num_key_value_heads
+            codes, scale, offset = (unpermute_rope(x, heads) for x in (codes, scale, offset))
+        tensors[f"{mod}.codes"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+        tensors[f"{mod}.scale"] = scale.contiguous()
+        tensors[f"{mod}.offset"] = offset.contiguous()
+    return tensors, types
+
+
+def load_q4k(
+    path: str | Path, cfg: ModelConfig, linear_names: set[str], cache_dir: str | Path | None
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, str]]:
+    """{linear: (codes [N, K] uint8, scale, offset [N, K/32] fp32)} for Q4_K weights, + GGUF types."""
+    path = Path(path)
+    cdir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cdir.mkdir(parents=True, exist_ok=True)
+    key = cache_key(path)
+    data_file, meta_file = cdir / f"{key}-q4k.safetensors", cdir / f"{key}-q4k.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
+    if meta is not None and meta.get("format") == Q4K_CACHE_FORMAT and data_file.is_file():
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(str(data_file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+        types = meta["types"]
+    else:
+        tensors, types = _extract_q4k(path, cfg, linear_names)
+        _atomic_write(data_file, lambda p: save_file(tensors, str(p)))
+        meta = {"format": Q4K_CACHE_FORMAT, "types": types}
+        _atomic_write(meta_file, lambda p: p.write_text(json.dumps(meta)))
+    out = {}
+    for mod in {k.rsplit(".", 1)[0] for k in tensors}:
+        packed = tensors[f"{mod}.codes"]
+        codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+        out[mod] = (codes, tensors[f"{mod}.scale"], tensors[f"{mod}.offset"])
+    return out, types
+
+
+def quantize_loaded(
+    model: DecoderModel, path: str | Path, mode: str | None, cache_dir: str | Path | None = None
+) -> DecoderModel:
+    """Apply `mode` to a model just loaded from `path` (a .gguf file or a Hugging Face directory)."""
+    if mode is None:
+        return model
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {mode!r}; use None or one of {', '.join(QUANT_MODES)}")
+    path = Path(path)
+    if mode != "int4" or path.suffix != ".gguf" or model.embed_tokens.weight.device.type != "cpu":
+        return quantize_model(model, mode)
+    names = _linear_names(model)
+    q4k, types = load_q4k(path, model.config, names, cache_dir)
+    affine: dict[str, Any] = {n: v for n, v in q4k.items() if n != "lm_head"}
+    overrides = {n: "int8" for n in names if n not in affine}  # more than 4 bits in the file: keep 8
+    log.info(
+        "%s: int4 from Q4_K for %d linear layers, int8 for %d (%s)", path.name, len(affine), len(overrides),
+        ", ".join(sorted({types.get(n, "?") for n in overrides})),
+    )
+    return quantize_model(model, "int4", affine_int4=affine, overrides=overrides)
