@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ssd.autoconfig import K_CHOICES, autoconfigure
 from ssd.config import Config
 from ssd.engine import Engine
 from ssd.fanout import FanoutPlanner
@@ -28,12 +29,23 @@ def make_fanout_planner(cfg: Config, k: int) -> FanoutPlanner:
 
 def draft_headroom(cfg: Config) -> int:
     """Extra draft KV positions for SSD's tree region: K chain nodes plus B branches of K nodes."""
-    k = cfg.k or DEFAULT_K
-    planner = make_fanout_planner(cfg, k)
-    return (k + 1) * (planner.B + 1)
+    if cfg.k is None:  # auto-configured later: room for the largest choice
+        k = max(K_CHOICES)
+        budget = cfg.fanout if isinstance(cfg.fanout, int) else 4 * (k + 1)
+    else:
+        k = cfg.k
+        budget = make_fanout_planner(cfg, k).B
+    if isinstance(cfg.fanout, list):
+        budget = sum(cfg.fanout)
+    return (k + 1) * (budget + 1)
 
 
 def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, vocab_size: int) -> Mode:
+    if cfg.k is None and draft is not None and cfg.mode in ("sd", "ssd", "auto"):
+        ac = autoconfigure(target, draft, ssd=cfg.mode != "sd")
+        cfg.k = ac.k
+        if cfg.fanout is None and ac.budget:
+            cfg.fanout = ac.budget
     k = cfg.k or DEFAULT_K
     if cfg.mode == "ar" or (cfg.mode == "auto" and draft is None):
         return ARMode(target, k=k)
@@ -52,8 +64,10 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
     if cfg.use_ray:  # workers as Ray actors (launch/placement.py)
         from ssd.launch.placement import place_workers
 
-        draft_kwargs = dict(max_len=cfg.max_len + draft_headroom(cfg), saguaro_c=cfg.saguaro_c)
-        rtarget, rdraft, rinfo, rtok = place_workers(cfg, draft_kwargs=draft_kwargs)
+        # Worker kwargs beyond dtype/device/slots/len/threads/cores: keep in step with the local path below.
+        common = dict(quantization=cfg.quantization)
+        draft_kwargs = dict(common, max_len=cfg.max_len + draft_headroom(cfg), saguaro_c=cfg.saguaro_c)
+        rtarget, rdraft, rinfo, rtok = place_workers(cfg, target_kwargs=common, draft_kwargs=draft_kwargs)
         return _assemble(cfg, rtarget, rdraft, rinfo, rtok, [h for h in (rtarget, rdraft) if h is not None])
 
     from ssd.workers.draft_worker import DraftWorker
@@ -62,7 +76,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
     max_slots = cfg.max_batch
     target_w = TargetWorker(
         cfg.target, dtype=cfg.dtype, device=cfg.device, max_slots=max_slots, max_len=cfg.max_len,
-        num_threads=cfg.target_threads, cpu_cores=cfg.target_cores,
+        num_threads=cfg.target_threads, cpu_cores=cfg.target_cores, quantization=cfg.quantization,
     )
     target: WorkerHandle = LocalHandle(target_w, "target")
     handles: list[WorkerHandle] = [target]
@@ -72,7 +86,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
         draft_w = DraftWorker(
             cfg.draft, dtype=cfg.dtype, device=cfg.draft_device or cfg.device, max_slots=max_slots,
             max_len=cfg.max_len + draft_headroom(cfg), num_threads=cfg.draft_threads, cpu_cores=cfg.draft_cores,
-            saguaro_c=cfg.saguaro_c,
+            saguaro_c=cfg.saguaro_c, quantization=cfg.quantization,
         )
         dinfo = draft_w.info()
         if dinfo["vocab_size"] != info["vocab_size"]:

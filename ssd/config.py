@@ -7,6 +7,7 @@ from typing import Any
 
 MODES = ("ar", "sd", "ngram", "ssd", "auto")
 BACKUPS = ("auto", "neural", "ngram", "random")
+QUANTIZATIONS = (None, "int8", "int4")
 
 
 @dataclass
@@ -17,6 +18,7 @@ class Config:
     device: str = "cpu"
     draft_device: str | None = None
     dtype: str = "bfloat16"
+    quantization: str | None = None  # None, "int8" or "int4": weight-only quantised linears (CPU)
     k: int | None = None  # draft length; None = chosen from measured latencies
     fanout: int | list[int] | None = None  # SSD budget B (int) or explicit F_0..F_K
     fanout_kind: str = "geometric"  # or "uniform"
@@ -50,3 +52,5 @@ class Config:
             raise ValueError("max_batch must be >= 1")
         if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):
             raise ValueError(f"unsupported dtype {self.dtype!r}; use bfloat16 or float32")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; use None, 'int8' or 'int4'")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from typing import Any
@@ -13,6 +14,8 @@ from ssd.modes.sd import spec_of
 from ssd.sampling_params import SamplingParams
 from ssd.scheduler import Scheduler
 from ssd.sequence import Sequence, Status
+
+log = logging.getLogger("ssd")
 
 
 class Engine:
@@ -100,12 +103,12 @@ class Engine:
                 try:
                     self.target.call("add", seq.seq_id, seq.prompt_ids, spec_of(seq)).result()
                     self.mode.add(seq)
-                except Exception:
+                except Exception as e:  # fail this request only; the other newcomers go on
+                    log.exception("admitting request %d failed", seq.seq_id)
                     self.scheduler.remove(seq)
-                    seq.status = Status.FINISHED
-                    seq.finish_reason = "error"
+                    seq.fail(f"{type(e).__name__}: {e}")
                     self.target.call("remove", seq.seq_id)
-                    raise
+                    self.mode.remove(seq)
             running = list(self.scheduler.running)
             if not running:
                 return []

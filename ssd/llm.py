@@ -48,6 +48,9 @@ class LLM:
             self.engine.add(s)
         while any(not s.finished for s in seqs):
             self.engine.step()
+        failed = [s for s in seqs if s.error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].error}")
         return [self._output(s) for s in seqs]
 
     def stream(self, prompt: Any, params: SamplingParams | None = None) -> Iterator[str]:

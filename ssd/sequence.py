@@ -83,6 +83,7 @@ class Sequence:
         self._decode = decode
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.text = ""
+        self.error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -126,6 +127,10 @@ class Sequence:
         if ids and ids[-1] in self._stop_ids:
             ids = ids[:-1]  # the stop token's text is not part of the output
         self.text = self._decode(ids)
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        self._finish("error")
 
     def _finish(self, reason: str) -> None:
         self.status = Status.FINISHED

@@ -32,13 +32,24 @@ def set_threads(num_threads: int | None, cpu_cores: list[int] | None) -> None:
         torch.set_num_threads(num_threads)
 
 
-def build_model(model: str | DecoderModel, dtype: torch.dtype, device: str) -> tuple[DecoderModel, object | None]:
-    """A DecoderModel from an alias / path (loaded) or an already-built module (tests). Returns (model, tokenizer)."""
+def build_model(
+    model: str | DecoderModel, dtype: torch.dtype, device: str, quantization: str | None = None
+) -> tuple[DecoderModel, object | None]:
+    """A DecoderModel from an alias / path (loaded) or an already-built module (tests). Returns (model, tokenizer).
+
+    quantization ("int8" / "int4"): weight-only quantised linear layers (workers/models/quant.py). An
+    already-built module is quantised in place, from its weights in `dtype`.
+    """
     if isinstance(model, DecoderModel):
-        return model.to(device=device, dtype=dtype).eval(), None
+        model = model.to(device=device, dtype=dtype).eval()
+        if quantization is not None:
+            from ssd.workers.models.quant import quantize_model
+
+            quantize_model(model, quantization)
+        return model, None
     from ssd.workers.loader import load_model
 
-    loaded = load_model(model, dtype=dtype, device=device)
+    loaded = load_model(model, dtype=dtype, device=device, quantization=quantization)
     return loaded.model, loaded.tokenizer
 
 
@@ -57,10 +68,11 @@ class ModelWorker:
         max_len: int = 2048,
         num_threads: int | None = None,
         cpu_cores: list[int] | None = None,
+        quantization: str | None = None,
     ) -> None:
         set_threads(num_threads, cpu_cores)
         self.device = device
-        self.model, self.tokenizer = build_model(model, parse_dtype(dtype), device)
+        self.model, self.tokenizer = build_model(model, parse_dtype(dtype), device, quantization)
         self.config = self.model.config
         self.runner = ModelRunner(self.model, max_slots=max_slots, max_len=max_len, device=device)
         self.seqs: dict[int, SeqState] = {}
@@ -100,6 +112,29 @@ class ModelWorker:
         st = self.seqs.pop(seq_id, None)
         if st is not None:
             self.runner.free(st.slot)
+
+    def time_forward(self, n_tokens: int, context: int = 128, tree: bool = False, reps: int = 3) -> float:
+        """Median seconds of one forward scoring n_tokens after a context (a chain, or n siblings).
+
+        Used to auto-configure K and the fan-out budget from this device's real latencies.
+        """
+        import time
+
+        context = max(1, min(context, self.runner.max_len - n_tokens - 1))
+        slot = self.runner.allocate()
+        try:
+            ctx = [i % self.config.vocab_size for i in range(context)]
+            self.runner.forward([slot], [ctx], last_only=True)
+            times = []
+            for _ in range(reps + 1):
+                self.runner.truncate(slot, context)
+                toks = [[(7 * i) % self.config.vocab_size for i in range(n_tokens)]]
+                t0 = time.perf_counter()
+                self.runner.forward([slot], toks, parents=[[-1] * n_tokens] if tree else None)
+                times.append(time.perf_counter() - t0)
+            return sorted(times[1:])[len(times[1:]) // 2]
+        finally:
+            self.runner.free(slot)
 
     def num_free_slots(self) -> int:
         return self.runner.kv.num_free

@@ -1,0 +1,188 @@
+"""End-to-end decoding benchmark on the real qwen-coder pair: AR, SD, n-gram SD, SSD, auto.
+
+Prints a table and writes JSON. Two placements side by side (2-core machine):
+  a  paper-style: the target on one core for every mode; SSD's draft on the second core
+  b  same total cores for all: AR/SD/n-gram use both cores; SSD splits them target / draft
+Optionally transformers' own generate() and assisted generate() on the same weights, dtype and
+thread count, measured in the same run (--transformers).
+
+    python benchmarks/bench.py --quick
+    python benchmarks/bench.py --modes ar,sd,ngram,ssd,auto --n-humaneval 20 --n-mtbench 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from prompts import humaneval, humaneval_raw, mtbench  # noqa: E402
+
+from ssd import LLM, SamplingParams  # noqa: E402
+
+
+def placement_kwargs(placement: str, mode: str, cores: list[int]) -> dict:
+    c0, c1 = cores[0], cores[-1]
+    if placement == "a":
+        if mode in ("ssd", "auto"):
+            return dict(target_cores=[c0], draft_cores=[c1])
+        return dict(target_cores=[c0], draft_cores=[c0])
+    if mode in ("ssd", "auto"):
+        return dict(target_cores=[c0], draft_cores=[c1])
+    return dict(target_cores=cores, draft_cores=cores)
+
+
+def chat_prompts(llm: LLM, texts: list[str]) -> list[str]:
+    assert llm.tokenizer is not None
+    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+
+def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], temperature: float, batch: int) -> dict:
+    cores = sorted(os.sched_getaffinity(0))
+    kw = placement_kwargs(placement, mode, cores)
+    draft = None if mode in ("ar", "ngram") else args.draft
+    extra = {"quantization": args.quantization} if args.quantization else {}
+    llm = LLM(target=args.target, draft=draft, mode=mode, dtype=args.dtype, k=args.k, max_batch=max(batch, 1),
+              max_len=2048, use_ray=True, **kw, **extra)
+    try:
+        llm.generate([chat_prompts(llm, ["hello"])[0]], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+        rows = {}
+        for name, texts in prompts.items():
+            ps = texts if name == "humaneval_raw" else chat_prompts(llm, texts)
+            sp = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=i) for i in range(len(ps))]
+            before = llm.stats()
+            t0 = time.perf_counter()
+            outs = []
+            for i in range(0, len(ps), batch):
+                outs += llm.generate(ps[i : i + batch], sp[i : i + batch])
+            dt = time.perf_counter() - t0
+            after = llm.stats()
+            toks = sum(len(o.token_ids) for o in outs)
+            rounds = after["rounds"] - before["rounds"]
+            drafted = after["drafted_tokens"] - before["drafted_tokens"]
+            acc = after["accepted_tokens"] - before["accepted_tokens"]
+            hits = {k: after["cache_hits_per_k"].get(k, 0) - before["cache_hits_per_k"].get(k, 0)
+                    for k in after["cache_hits_per_k"]}
+            misses = {k: after["cache_misses_per_k"].get(k, 0) - before["cache_misses_per_k"].get(k, 0)
+                      for k in after["cache_misses_per_k"]}
+            nh, nm = sum(hits.values()), sum(misses.values())
+            policy = {k: v - before["policy"].get(k, 0) for k, v in after["policy"].items()}
+            rows[name] = {
+                "tokens": toks, "seconds": round(dt, 3), "tokens_per_s": round(toks / dt, 2),
+                "tau": round(toks / rounds, 3) if rounds else None,
+                "acceptance_rate": round(acc / drafted, 3) if drafted else None,
+                "cache_hit_rate": round(nh / (nh + nm), 3) if nh + nm else None,
+                "hits_per_k": hits, "misses_per_k": misses, "policy": policy, "k": after["k"],
+            }
+            print(f"  {mode:6s} placement={placement} T={temperature} b={batch} {name:13s} "
+                  f"{rows[name]['tokens_per_s']:6.2f} tok/s tau={rows[name]['tau']} "
+                  f"hit={rows[name]['cache_hit_rate']} policy={policy}", flush=True)
+        return rows
+    finally:
+        llm.shutdown()
+
+
+def run_transformers(args, prompts: dict[str, list[str]], threads: int, assisted: bool) -> dict:
+    import torch
+
+    from ssd.workers.loader import load_model
+    from ssd.workers.models.hf_export import to_transformers
+
+    torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if args.dtype.startswith("b") else torch.float32
+    target = load_model(args.target, dtype=dtype, progress=False)
+    hf = to_transformers(target.model)
+    hf_draft = to_transformers(load_model(args.draft, dtype=dtype, progress=False).model) if assisted else None
+    tok = target.tokenizer
+    rows = {}
+    for name, texts in prompts.items():
+        ps = texts if name == "humaneval_raw" else [tok.apply_chat_template([{"role": "user", "content": t}])
+                                                    for t in texts]
+        toks, t0 = 0, time.perf_counter()
+        for p in ps:
+            ids = torch.tensor([tok.encode(p)])
+            kw = {"assistant_model": hf_draft} if assisted else {}
+            with torch.inference_mode():
+                out = hf.generate(ids, max_new_tokens=args.max_tokens, do_sample=False, pad_token_id=0,
+                                  eos_token_id=tok.eos_token_ids, **kw)
+            toks += out.shape[1] - ids.shape[1]
+        dt = time.perf_counter() - t0
+        rows[name] = {"tokens": toks, "seconds": round(dt, 3), "tokens_per_s": round(toks / dt, 2)}
+        label = "hf-assisted" if assisted else "hf-ar"
+        print(f"  {label:11s} threads={threads} {name:13s} {rows[name]['tokens_per_s']:6.2f} tok/s", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen-coder-1.5b")
+    ap.add_argument("--draft", default="qwen-coder-0.5b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--k", type=int, default=None)
+    ap.add_argument("--modes", default="ar,sd,ngram,ssd,auto")
+    ap.add_argument("--placements", default="a,b")
+    ap.add_argument("--temperatures", default="0")
+    ap.add_argument("--batch-sizes", default="1")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--n-humaneval", type=int, default=20)
+    ap.add_argument("--n-mtbench", type=int, default=20)
+    ap.add_argument("--raw-humaneval", action="store_true", help="HumanEval 10-15 as raw prompts (llama.cpp setting)")
+    ap.add_argument("--transformers", action="store_true", help="also run transformers generate / assisted")
+    ap.add_argument("--quick", action="store_true", help="3 HumanEval + 2 MT-Bench prompts, 64 tokens")
+    ap.add_argument("--out", default="results/bench.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.n_humaneval, args.n_mtbench, args.max_tokens = 3, 2, 64
+    prompts: dict[str, list[str]] = {}
+    if args.n_humaneval:
+        prompts["humaneval"] = humaneval(args.n_humaneval)
+    if args.n_mtbench:
+        prompts["mtbench"] = mtbench(args.n_mtbench)
+    if args.raw_humaneval:
+        prompts["humaneval_raw"] = humaneval_raw(6, start=10)
+    results: dict = {"args": vars(args), "runs": []}
+    for placement in args.placements.split(","):
+        for temperature in [float(t) for t in args.temperatures.split(",")]:
+            for batch in [int(b) for b in args.batch_sizes.split(",")]:
+                for mode in args.modes.split(","):
+                    rows = run_mode(args, mode, placement, prompts, temperature, batch)
+                    results["runs"].append({"system": "ssd", "mode": mode, "placement": placement,
+                                            "temperature": temperature, "batch": batch, "prompts": rows})
+        if args.transformers:
+            threads = 1 if placement == "a" else len(os.sched_getaffinity(0))
+            for assisted in (False, True):
+                rows = run_transformers(args, prompts, threads, assisted)
+                results["runs"].append({"system": "transformers", "mode": "assisted" if assisted else "ar",
+                                        "placement": placement, "temperature": 0.0, "batch": 1, "prompts": rows})
+    print_table(results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def print_table(results: dict) -> None:
+    print("\n| system | mode | placement | T | batch | prompts | tok/s | speedup vs AR | tau | accept | hit rate |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    base: dict[tuple, float] = {}
+    for r in results["runs"]:
+        for name, row in r["prompts"].items():
+            if r["mode"] == "ar":
+                base[(r["system"], r["placement"], r["temperature"], r["batch"], name)] = row["tokens_per_s"]
+    for r in results["runs"]:
+        for name, row in r["prompts"].items():
+            ar = base.get((r["system"], r["placement"], r["temperature"], r["batch"], name))
+            sp = f"{row['tokens_per_s'] / ar:.2f}x" if ar else "-"
+            print(f"| {r['system']} | {r['mode']} | {r['placement']} | {r['temperature']} | {r['batch']} | {name} | "
+                  f"{row['tokens_per_s']:.2f} | {sp} | {row.get('tau') or '-'} | {row.get('acceptance_rate') or '-'} | "
+                  f"{row.get('cache_hit_rate') or '-'} |")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

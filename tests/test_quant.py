@@ -1,0 +1,187 @@
+"""Weight-only int8 / int4 layers: kernels vs fp32 reference, int4 layout, GGUF Q4_K mapping, plumbing."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import random_model
+
+from ssd.config import Config
+from ssd.workers.base import build_model
+from ssd.workers.models.quant import (
+    Int4Linear,
+    Int8Linear,
+    cuda_kernel_available,
+    pack_int4,
+    q4k_to_affine,
+    quantize_model,
+    reference_mode,
+    unpack_int4,
+)
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 96, 160])
+def test_int4_pack_unpack_roundtrip(n):
+    codes = torch.randint(0, 16, (n, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(unpack_int4(pack_int4(codes), n, 96), codes)
+
+
+def test_int4_kernel_convention():
+    """torch._weight_int4pack_mm_for_cpu computes w = (q - 8) * scale + zero, per (group of 32, column)."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 32, 64
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    sz = torch.randn(k // 32, n, 2, generator=g)
+    y = torch._weight_int4pack_mm_for_cpu(torch.eye(k), pack_int4(codes), 32, sz)  # [k, n] = w.T
+    scale = sz[..., 0].T.repeat_interleave(32, dim=1)
+    zero = sz[..., 1].T.repeat_interleave(32, dim=1)
+    torch.testing.assert_close(y.T, (codes.float() - 8) * scale + zero, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_matches_reference(cls, dtype):
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 256, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(2, 5, 256, generator=g).to(dtype)
+    lin = cls.from_float(w, b, dtype)
+    y, ref = lin(x), lin.ref_forward(x)
+    assert y.shape == ref.shape == (2, 5, 96) and y.dtype == dtype
+    # The kernels accumulate in fp32 and round once to `dtype`: within a couple of output ulps.
+    tol = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+    # Round to nearest: int8 per-channel error ~0.5 %, int4 groups of 32 ~8 % (Gaussian weights).
+    err = (torch.linalg.norm(w - lin.dequantize()) / torch.linalg.norm(w)).item()
+    assert err < (0.01 if cls is Int8Linear else 0.1)
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_are_row_independent(cls, dtype):
+    g = torch.Generator().manual_seed(2)
+    lin = cls.from_float(torch.randn(160, 512, generator=g), None, dtype)
+    x = torch.randn(17, 512, generator=g).to(dtype)
+    full = lin(x)
+    for m in (1, 2, 5, 9):
+        assert torch.equal(torch.cat([lin(x[i : i + m]) for i in range(0, 17, m)]), full)
+
+
+def random_q4k_blocks(n_blocks: int, seed: int) -> np.ndarray:
+    """Valid Q4_K super-blocks: random scale/min bytes and nibbles, finite fp16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n_blocks, 144), dtype=np.uint8)
+    blocks[:, 0:2] = (rng.uniform(1e-4, 3e-3, n_blocks).astype(np.float16)).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:4] = (rng.uniform(1e-4, 3e-3, n_blocks).astype(np.float16)).view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+def check_q4k_mapping(blocks: np.ndarray, n: int, k: int) -> None:
+    import gguf
+
+    want = torch.from_numpy(
+        gguf.quants.dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType.Q4_K).reshape(n, k).copy()
+    )
+    codes, scale, offset = q4k_to_affine(torch.from_numpy(blocks), n, k)
+    # fp32 scale/zero: exact up to fp32 rounding of zero = 8 * scale + offset and of the final fma.
+    lin32 = Int4Linear.from_affine(codes, scale, offset, None, torch.float32)
+    assert torch.equal(lin32.codes(), codes)
+    atol = 4 * torch.finfo(torch.float32).eps * want.abs().max().item()
+    torch.testing.assert_close(lin32.dequantize(), want, rtol=0, atol=atol)
+    # ... and the kernel itself produces those weights.
+    eye = torch.eye(k)[: min(k, 64)]
+    torch.testing.assert_close(lin32(eye), lin32.dequantize()[:, : eye.shape[0]].T, rtol=1e-6, atol=1e-7)
+    # bf16 activations need bf16 scale/zero: the error is that rounding alone, |q - 8| * ds + dz.
+    lin16 = Int4Linear.from_affine(codes, scale, offset, None, torch.bfloat16)
+    assert torch.equal(lin16.codes(), codes)
+    s = scale.repeat_interleave(32, dim=1)
+    z = (offset + 8 * scale).repeat_interleave(32, dim=1)
+    s16 = lin16.scales_and_zeros[..., 0].float().T.repeat_interleave(32, dim=1)
+    z16 = lin16.scales_and_zeros[..., 1].float().T.repeat_interleave(32, dim=1)
+    bound = (codes.float() - 8).abs() * (s - s16).abs() + (z - z16).abs()
+    assert ((lin16.dequantize() - want).abs() <= bound * 1.001 + 1e-7).all()
+
+
+def test_q4k_maps_to_int4_without_rerounding():
+    n, k = 48, 512
+    check_q4k_mapping(random_q4k_blocks(n * k // 256, seed=3), n, k)
+
+
+@pytest.mark.real_model
+def test_q4k_real_tensor_maps_exactly():
+    import gguf
+
+    from ssd.workers.loader import resolve_alias
+
+    reader = gguf.GGUFReader(resolve_alias("qwen-coder-1.5b"))
+    t = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q4_K
+    k, n = (int(x) for x in t.shape[:2])
+    check_q4k_mapping(np.asarray(t.data), n, k)
+
+
+def test_quantize_model_replaces_every_linear(caplog):
+    model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=2).to(torch.bfloat16)
+    with caplog.at_level(logging.DEBUG, logger="ssd.quant"):
+        quantize_model(model, "int4")
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert isinstance(model.lm_head, Int8Linear)  # head="int8" by default
+    assert isinstance(model.layers[0].mlp.up_proj, Int4Linear)
+    assert model.batch_invariant
+    errs = [r for r in caplog.records if "relative error" in r.getMessage()]
+    assert len(errs) == 2 * 7 + 1
+
+
+def test_quantize_model_skip_keeps_float_and_invariance_off():
+    model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2).to(torch.bfloat16)
+    quantize_model(model, "int8", head=None)
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    assert not model.batch_invariant
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_model(model, "int3")
+
+
+def test_reference_mode_switches_layers():
+    model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2).to(torch.bfloat16)
+    quantize_model(model, "int8")
+    lin = model.layers[0].mlp.up_proj
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with reference_mode(model):
+        assert torch.equal(lin(x), lin.ref_forward(x))
+    assert torch.equal(lin(x), torch._weight_int8pack_mm(x, lin.qweight, lin.scales))
+
+
+def test_cuda_kernel_probe_is_boolean():
+    assert cuda_kernel_available("int8") in (True, False)
+    assert cuda_kernel_available("int4") in (True, False)
+
+
+def test_config_and_build_model_plumbing():
+    with pytest.raises(ValueError, match="quantization"):
+        Config(target="x", quantization="fp8")
+    assert Config(target="x", quantization="int4").quantization == "int4"
+    model, _ = build_model(random_model(vocab=64, hidden=64, heads=4, kv_heads=2), torch.bfloat16, "cpu", "int8")
+    assert isinstance(model.lm_head, Int8Linear) and model.batch_invariant
+
+
+@pytest.mark.real_model
+def test_load_model_int4_uses_gguf_codes():
+    """qwen-coder-0.5b: the Q4_K ffn_down layers become Int4Linear with the file's codes; the rest int8."""
+    import gguf
+
+    from ssd.workers.loader import load_model, resolve_alias
+
+    lm = load_model("qwen-coder-0.5b", quantization="int4", progress=False)
+    mods = dict(lm.model.named_modules())
+    int4 = sorted(n for n, m in mods.items() if isinstance(m, Int4Linear))
+    assert int4 and all(n.endswith("mlp.down_proj") for n in int4)
+    assert not any(isinstance(m, torch.nn.Linear) for m in mods.values())
+    assert lm.model.batch_invariant
+    reader = gguf.GGUFReader(resolve_alias("qwen-coder-0.5b"))
+    idx = int(int4[0].split(".")[1])
+    t = next(t for t in reader.tensors if t.name == f"blk.{idx}.ffn_down.weight")
+    k, n = (int(x) for x in t.shape[:2])
+    codes, _, _ = q4k_to_affine(torch.from_numpy(np.asarray(t.data).copy()), n, k)
+    assert torch.equal(mods[int4[0]].codes(), codes)

@@ -1,0 +1,251 @@
+"""Workers as Ray actors: same tokens as in-process, placement, draft death, multi-node draft."""
+
+import os
+import time
+from concurrent.futures import Future
+
+import pytest
+from tiny_models import random_model
+
+from ssd import LLM, SamplingParams
+from ssd.config import Config
+from ssd.handles import LocalHandle, WorkerDied
+from ssd.launch.placement import plan_placement
+
+ray = pytest.importorskip("ray")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.9, max_tokens=16, seed=7, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4], [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6], [20]]
+COMMON = dict(dtype="float32", max_batch=4, max_len=256)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = random_model(vocab=40, layers=2, seed=3, scale=2.0)
+    return target, random_model(vocab=40, layers=1, seed=4, scale=2.0)
+
+
+@pytest.fixture(scope="module")
+def local_outputs(models):
+    """In-process (LocalHandle) reference outputs."""
+    target, draft = models
+    with LLM(target=target, mode="ar", **COMMON) as llm:
+        ar = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    with LLM(target=target, draft=draft, mode="sd", k=3, **COMMON) as llm:
+        sampled = [o.token_ids for o in llm.generate(PROMPTS, SAMPLED)]
+    return {"ar": ar, "sd_sampled": sampled}
+
+
+# -- placement plans (no Ray) --------------------------------------------------------------------
+
+
+def test_cpu_plan_draft_gets_one_core():
+    cfg = Config(target="t", draft="d", mode="sd")
+    p = plan_placement(cfg, [0, 1, 2, 3, 4, 5, 6, 7])
+    assert (p.target.cpu_cores, p.target.num_threads, p.target.num_cpus) == ([0, 1, 2, 3, 4, 5, 6], 7, 7)
+    assert (p.draft.cpu_cores, p.draft.num_threads, p.draft.num_cpus) == ([7], 1, 1)
+    assert not p.bundles
+    one = plan_placement(cfg, [3])
+    assert one.target.cpu_cores == one.draft.cpu_cores == [3] and one.target.num_cpus == 0.5
+    ar = plan_placement(Config(target="t", mode="ar"), [0, 1])
+    assert ar.draft is None and ar.target.cpu_cores == [0, 1]
+    cfg = Config(target="t", draft="d", mode="sd", target_cores=[0], draft_cores=[2, 3], draft_threads=1)
+    p = plan_placement(cfg, [0, 1, 2, 3], pin=False)
+    assert (p.target.cpu_cores, p.draft.cpu_cores) == ([0], [2, 3])
+    assert (p.draft.num_threads, p.draft.num_cpus) == (1, 2)
+    on_node = {"draft_resource": {"draft_node": 1}}
+    remote = plan_placement(Config(target="t", draft="d", mode="sd", extra=on_node), [0, 1])
+    assert remote.target.cpu_cores == [0, 1] and remote.draft.resources == {"draft_node": 1}
+    assert remote.draft.cpu_cores is None
+
+
+def test_gpu_plan_one_bundle_per_actor():
+    p = plan_placement(Config(target="t", draft="d", mode="sd", device="cuda"), [0, 1])
+    assert p.bundles == [{"GPU": 1, "CPU": 1}, {"GPU": 1, "CPU": 1}] and p.strategy == "STRICT_PACK"
+    assert (p.target.bundle, p.draft.bundle, p.target.device, p.draft.device) == (0, 1, "cuda", "cuda")
+    spread = Config(target="t", draft="d", mode="sd", device="cuda", extra={"placement_strategy": "PACK"})
+    assert plan_placement(spread, [0]).strategy == "PACK"
+    on_node = {"draft_resource": {"draft_node": 1}}
+    remote = plan_placement(Config(target="t", draft="d", mode="sd", device="cuda", extra=on_node), [0])
+    assert len(remote.bundles) == 1 and remote.draft.bundle is None and remote.draft.num_gpus == 1
+
+
+# -- handles and the draft-failure fallback, in process (no Ray) --------------------------------
+
+
+def test_local_handle_split_and_future_args():
+    class W:
+        def pair(self, x):
+            return x, x * 10
+
+        def add(self, a, b=0):
+            return a + b
+
+        def boom(self):
+            raise KeyError("boom")
+
+    h1, h2 = LocalHandle(W(), "a"), LocalHandle(W(), "b")
+    try:
+        f1, f2 = h1.call_split("pair", 2, 3)
+        assert h2.call("add", f1, b=f2).result() == 33
+        bad = h1.call_split("boom", 2)
+        with pytest.raises(KeyError):
+            bad[1].result()
+        with pytest.raises(KeyError):  # a failed input fails the call that consumes it
+            h2.call("add", bad[0]).result()
+    finally:
+        h1.shutdown()
+        h2.shutdown()
+
+
+class FlakyDraft(LocalHandle):
+    """A draft handle that 'dies' on its n-th propose and can be restarted (like RayHandle)."""
+
+    def __init__(self, make, die_at: int) -> None:
+        super().__init__(make(), "draft")
+        self.make, self.die_at, self.proposes, self.dead = make, die_at, 0, False
+
+    def _dead_future(self):
+        f = Future()
+        f.set_exception(WorkerDied("draft", RuntimeError("killed")))
+        return f
+
+    def call(self, method, *args, **kwargs):
+        return self._dead_future() if self.dead else super().call(method, *args, **kwargs)
+
+    def call_split(self, method, n, *args, **kwargs):
+        if method == "propose":
+            self.proposes += 1
+            self.dead = self.dead or self.proposes == self.die_at
+        if self.dead:
+            return [self._dead_future() for _ in range(n)]
+        return super().call_split(method, n, *args, **kwargs)
+
+    def restart(self):
+        self.worker, self.dead = self.make(), False
+        return self
+
+
+def test_sd_survives_draft_death_in_process(models, local_outputs):
+    from ssd.workers.draft_worker import DraftWorker
+
+    target, draft = models
+    with LLM(target=target, draft=draft, mode="sd", k=3, **COMMON) as llm:
+        mode = llm.engine.mode
+        flaky = FlakyDraft(lambda: DraftWorker(draft, dtype="float32", max_slots=4, max_len=512), die_at=3)
+        mode.draft = flaky
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        policy = dict(mode.stats.policy)
+    assert outs == local_outputs["ar"]
+    assert mode.draft_restarts == 1 and policy["ar_fallback"] >= 1
+    assert policy["sd"] > 2  # two rounds before the death, and more after the restart
+    assert flaky.proposes > 3
+
+
+# -- local Ray -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="class")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+class TestLocalRay:
+    def test_outputs_equal_in_process(self, models, local_outputs):
+        target, draft = models
+        with LLM(target=target, mode="ar", use_ray=True, **COMMON) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
+        with LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True, **COMMON) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
+            # seeded sampling: the q tensors cross the object store bit-exactly
+            assert [o.token_ids for o in llm.generate(PROMPTS, SAMPLED)] == local_outputs["sd_sampled"]
+            assert llm.stats()["policy"] == {"sd": llm.stats()["rounds"]}
+            infos = [h.call("info").result() for h in llm._handles]
+        expected = plan_placement(llm.config, sorted(os.sched_getaffinity(0)))
+        for info, ap in zip(infos, (expected.target, expected.draft), strict=True):
+            assert info["pid"] != os.getpid()
+            assert info["num_threads"] == ap.num_threads
+            assert info["cpu_affinity"] == ap.cpu_cores
+        assert infos[0]["pid"] != infos[1]["pid"]
+
+    def test_handle_errors_and_restart(self, models):
+        from ssd.launch.placement import place_workers
+
+        cfg = Config(target=models[1], mode="ar", dtype="float32", max_batch=2, max_len=64)
+        target, draft, info, tok = place_workers(cfg)
+        try:
+            assert draft is None and tok is None and info["vocab_size"] == 40
+            assert target.alive()
+            with pytest.raises(ValueError, match="empty prompt"):  # worker exceptions keep their type
+                target.call("add", 0, [], None).result()
+            ray.kill(target.actor)
+            with pytest.raises(WorkerDied) as e:
+                target.call("info").result(timeout=60)
+            assert e.value.name == "target"
+            assert not target.alive(timeout=2)
+            target.restart()
+            assert target.alive() and target.call("num_free_slots").result() == 2
+        finally:
+            target.shutdown()
+
+    def test_draft_killed_mid_generation(self, models, local_outputs):
+        target, draft = models
+        with LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True, **COMMON) as llm:
+            eng, mode = llm.engine, llm.engine.mode
+            params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+            seqs = [eng.make_sequence(p, params) for p in PROMPTS]
+            for s in seqs:
+                eng.add(s)
+            for _ in range(3):
+                eng.step()
+            ray.kill(mode.draft.actor)
+            for _ in range(5):  # the kill is asynchronous; the next draft call or the one after fails
+                eng.step()
+                if mode.draft_down is not None:
+                    break
+            assert mode.draft_down is not None and mode.stats.policy["ar_fallback"] == 1
+            deadline = time.monotonic() + 120
+            while mode._restart is not None and not mode._restart.done() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            sd_before = mode.stats.policy["sd"]
+            while any(not s.finished for s in seqs):
+                eng.step()
+            assert mode.draft_down is None and mode.draft_restarts == 1
+            assert mode.stats.policy["sd"] > sd_before  # drafting resumed on the fresh actor
+            assert mode.draft.alive()
+            # a request added after the restart works too
+            late = llm.generate([PROMPTS[0]], GREEDY)[0].token_ids
+        with LLM(target=target, mode="ar", **COMMON) as ref:
+            ar60 = [o.token_ids for o in ref.generate(PROMPTS, params)]
+        assert [s.output_ids for s in seqs] == ar60
+        assert all(s.finish_reason == "length" for s in seqs)
+        assert late == local_outputs["ar"][0]
+
+
+# -- two Ray nodes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_draft_on_second_node(models, local_outputs):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1, resources={"draft_node": 1})
+        ray.init(address=cluster.address, log_to_driver=False)
+        target, draft = models
+        with LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True,
+                 extra={"draft_resource": {"draft_node": 1}}, **COMMON) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
+            t_info, d_info = (h.call("info").result() for h in llm._handles)
+        assert t_info["node_id"] != d_info["node_id"]
+        draft_nodes = [n["NodeID"] for n in ray.nodes() if n["Resources"].get("draft_node")]
+        assert d_info["node_id"] in draft_nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -1,0 +1,357 @@
+"""Weight-only quantised linear layers for CPU decoding, and `quantize_model` to swap them in.
+
+* `Int8Linear`: per-output-channel symmetric int8, `torch._weight_int8pack_mm`.
+* `Int4Linear`: groupwise (32) affine int4, `torch._weight_int4pack_mm_for_cpu`. That op computes
+  every weight as `(q - 8) * scale + zero` with q in 0..15 and (scale, zero) per (group, column),
+  in the activation dtype (checked by experiment on torch 2.13 and in the kernel source). An affine
+  group `w = a * q + b` (round-to-nearest from floats, or a GGUF Q4_K sub-block `d*sc*q - dmin*m`)
+  therefore maps to scale = a, zero = b + 8a without re-rounding the codes.
+
+Both kernels give every row of the activation matrix the same bits whatever the number of rows
+(unlike bf16/fp32 `F.linear`), which is what lets a K+1-token verification pass reproduce
+one-token decoding exactly; see `DecoderModel.batch_invariant`.
+
+Each layer has `ref_forward`: dequantise to fp32 and `F.linear` in fp32 (the reference the fused
+kernels are tested against); `reference_mode(model)` switches a whole model to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("ssd.quant")
+
+QUANT_MODES = ("int8", "int4")
+INT4_GROUP = 32
+
+
+# -- int4 packing ---------------------------------------------------------------------------------
+
+
+def _int4_block_n() -> int:
+    # The CPU kernel packs N in blocks of 4 float vectors: 64 columns with AVX512, 32 otherwise.
+    return 64 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] integer codes in 0..15 -> the machine-specific packed layout the CPU kernel reads."""
+    return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+
+
+def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of `pack_int4` (uint8 [N, K] codes), following aten/native/cpu/int4mm_kernel.cpp."""
+    bn = _int4_block_n()
+    cap = torch.backends.cpu.get_cpu_capability()
+    flat = packed.reshape(-1)
+    out = torch.empty(n, k, dtype=torch.uint8)
+    for n0 in range(0, n, bn):
+        nb = min(bn, n - n0)
+        blk = flat[n0 * k // 2 : (n0 + nb) * k // 2].view(k, nb // 2)  # [K, nb/2] bytes
+        lo, hi = blk & 0x0F, blk >> 4
+        if nb == bn and cap.startswith("AVX512"):  # byte d: n=d | n=d+32 ; byte 16+d: n=d+16 | n=d+48
+            cols = torch.cat([lo[:, :16], lo[:, 16:], hi[:, :16], hi[:, 16:]], dim=1)
+        elif nb == bn and cap.startswith("AVX2"):  # byte d: n=d | n=d+16
+            cols = torch.cat([lo, hi], dim=1)
+        else:  # pairs: byte j: n=2j | n=2j+1
+            cols = torch.stack([lo, hi], dim=2).reshape(k, nb)
+        out[n0 : n0 + nb] = cols.T
+    return out
+
+
+# -- layers ---------------------------------------------------------------------------------------
+
+
+class _QuantLinear(nn.Module):
+    in_features: int
+    out_features: int
+    use_reference = False  # set per instance by `reference_mode`
+    _ref_weight: torch.Tensor | None = None  # dequantised weight cached by `reference_mode`
+
+    def dequantize(self) -> torch.Tensor:  # fp32 [N, K]
+        raise NotImplementedError
+
+    def ref_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Reference: dequantise to fp32, F.linear in fp32, round to the activation dtype."""
+        b = None if self.bias is None else self.bias.float()
+        w = self._ref_weight if self._ref_weight is not None else self.dequantize()
+        return F.linear(x.float(), w, b).to(x.dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def extra_repr(self) -> str:
+        has_bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={has_bias}"
+
+
+class Int8Linear(_QuantLinear):
+    """y = x @ (q * scale[:, None]).T (+ bias); q int8 [N, K], scale [N] in the activation dtype."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(scales.dtype).contiguous())
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    ) -> Int8Linear:
+        """Round-to-nearest, symmetric, one scale per output row (absmax / 127)."""
+        dtype = dtype or weight.dtype
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).to(dtype)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows
+        q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q, scale, None if bias is None else bias.detach())
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_reference:
+            return self.ref_forward(x)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(_QuantLinear):
+    """Groupwise affine int4: w[n, k] = (q - 8) * scale[g, n] + zero[g, n], g = k // group_size.
+
+    Buffers: `qweight` (packed codes, layout of `torch._convert_weight_to_int4pack_for_cpu`, so
+    specific to this machine's CPU capability) and `scales_and_zeros` [K / group, N, 2] in the
+    activation dtype (the kernel requires it to match).
+    """
+
+    def __init__(
+        self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
+        in_features: int, group_size: int = INT4_GROUP,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = scales_and_zeros.shape[1]
+        self.group_size = group_size
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(scales_and_zeros.dtype).contiguous())
+
+    @staticmethod
+    def supports(out_features: int, in_features: int, group_size: int = INT4_GROUP) -> bool:
+        return in_features % group_size == 0 and out_features % 16 == 0
+
+    @classmethod
+    def from_affine(
+        cls, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None,
+        dtype: torch.dtype, group_size: int = INT4_GROUP,
+    ) -> Int4Linear:
+        """From codes [N, K] in 0..15 and per-group scale/offset [N, K/group] with w = scale * q + offset.
+
+        Only scale and zero (= offset + 8 * scale, formed in fp32) are rounded, to `dtype`; the codes
+        are kept as given.
+        """
+        n, k = codes.shape
+        scale32, offset32 = scale.float(), offset.float()
+        zero = offset32 + 8.0 * scale32
+        sz = torch.stack([scale32.T, zero.T], dim=-1).to(dtype)  # [K/g, N, 2]
+        return cls(pack_int4(codes), sz, bias, k, group_size)
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+        group_size: int = INT4_GROUP,
+    ) -> Int4Linear:
+        """Round-to-nearest affine: per group, scale = (max - min) / 15 and zero = min + 8 * scale.
+
+        Codes are chosen against the scale and zero as stored (rounded to `dtype`).
+        """
+        dtype = dtype or weight.dtype
+        w = weight.detach().float()
+        n, k = w.shape
+        g = w.view(n, k // group_size, group_size)
+        mn, mx = g.amin(dim=-1), g.amax(dim=-1)
+        scale = ((mx - mn) / 15.0).to(dtype)
+        scale = torch.where(scale > 0, scale, torch.full_like(scale, 1e-6))  # constant groups
+        zero = (mn + 8.0 * scale.float()).to(dtype)
+        q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None] + 8.0).clamp_(0, 15)
+        sz = torch.stack([scale.T, zero.T], dim=-1).contiguous()
+        return cls(pack_int4(q.view(n, k)), sz, None if bias is None else bias.detach(), k, group_size)
+
+    def codes(self) -> torch.Tensor:
+        return unpack_int4(self.qweight, self.out_features, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        q = self.codes().float().view(self.out_features, -1, self.group_size)
+        scale = self.scales_and_zeros[..., 0].float().T[..., None]  # [N, K/g, 1]
+        zero = self.scales_and_zeros[..., 1].float().T[..., None]
+        return ((q - 8.0) * scale + zero).view(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_reference:
+            return self.ref_forward(x)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+# -- GGUF Q4_K ------------------------------------------------------------------------------------
+
+
+def q4k_to_affine(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw GGUF Q4_K bytes (uint8, n * k / 256 blocks of 144) -> codes [n, k] uint8, scale, offset [n, k/32].
+
+    A Q4_K super-block of 256 weights holds fp16 d, dmin, 12 bytes of packed 6-bit (sc, m) for 8
+    sub-blocks of 32, and 128 bytes of nibbles; weight = d * sc * q - dmin * m (as in
+    gguf.quants.Q4_K.dequantize_blocks). scale = d * sc and offset = -dmin * m are exact in fp32.
+    """
+    b = blocks.view(torch.uint8).reshape(-1, 144)
+    nb = b.shape[0]
+    if nb * 256 != n * k:
+        raise ValueError(f"Q4_K data holds {nb * 256} weights, expected {n}x{k}")
+    d = b[:, 0:2].contiguous().view(torch.float16).float()  # [nb, 1]
+    dmin = b[:, 2:4].contiguous().view(torch.float16).float()
+    s = b[:, 4:16].to(torch.int32).view(nb, 3, 4)
+    s_d, s_m, s_md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([s_d & 0x3F, (s_md & 0x0F) | ((s_d >> 2) & 0x30)], dim=1)  # [nb, 8]
+    mn = torch.cat([s_m & 0x3F, (s_md >> 4) | ((s_m >> 2) & 0x30)], dim=1)
+    qs = b[:, 16:].view(nb, 4, 32)  # 4 chunks of 32 bytes: low nibbles = sub-block 2j, high = 2j+1
+    codes = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(n, k)
+    scale = (d * sc.float()).reshape(n, k // 32)
+    offset = (-(dmin * mn.float())).reshape(n, k // 32)
+    return codes, scale, offset
+
+
+# -- whole models ---------------------------------------------------------------------------------
+
+
+def _rel_err(w: torch.Tensor, mod: _QuantLinear) -> float:
+    w = w.float()
+    return float(torch.linalg.norm(w - mod.dequantize()) / torch.linalg.norm(w).clamp_min(1e-30))
+
+
+def cuda_kernel_available(mode: str) -> bool:
+    """Whether this torch build has a CUDA kernel for the layer `mode` uses (with this API)."""
+    op = {"int8": "aten::_weight_int8pack_mm", "int4": "aten::_weight_int4pack_mm_for_cpu"}[mode]
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"))
+    except RuntimeError:
+        return False
+
+
+def make_quant_linear(
+    mode: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> _QuantLinear:
+    if mode == "int4" and Int4Linear.supports(*weight.shape):
+        return Int4Linear.from_float(weight, bias, dtype)
+    return Int8Linear.from_float(weight, bias, dtype)  # int8, or int4 shapes the kernel cannot take
+
+
+def quantize_model(
+    model: nn.Module,
+    mode: str | None,
+    *,
+    skip: tuple[str, ...] = (),
+    head: str | None = "int8",
+    overrides: dict[str, str] | None = None,
+    affine_int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+) -> nn.Module:
+    """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear (round to nearest).
+
+    mode: None (no-op), "int8" or "int4". `skip`: module-name suffixes left in floating point.
+    `head`: how to quantise `lm_head` ("int8" by default: it is a quarter of the 0.5B model's
+    weights and the single largest matmul of a decode step; None keeps it floating point, which
+    also gives up batch invariance). `overrides`: {module name: mode} for particular layers.
+    `affine_int4`: {module name: (codes [N, K] 0..15, scale, offset [N, K/32])} used as they are
+    (w = scale * q + offset, e.g. GGUF Q4_K) instead of rounding the float weights.
+    Sets `model.batch_invariant` when every linear ends up quantised. Per-layer relative Frobenius
+    errors are logged at DEBUG. On CUDA, when this torch lacks a kernel the model stays in floating
+    point, with a warning.
+    """
+    if mode is None:
+        return model
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {mode!r}; use None or one of {', '.join(QUANT_MODES)}")
+    overrides, affine_int4 = overrides or {}, affine_int4 or {}
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return model
+    device = linears[0][1].weight.device
+    dtype = linears[0][1].weight.dtype
+
+    def layer_mode(name: str) -> str | None:
+        if any(name.endswith(s) for s in skip):
+            return None
+        if name in overrides:
+            return overrides[name]
+        return head if name.rpartition(".")[2] == "lm_head" else mode
+
+    if device.type == "cuda":
+        missing = sorted({m for m in map(layer_mode, (n for n, _ in linears)) if m} - {
+            m for m in QUANT_MODES if cuda_kernel_available(m)})
+        if missing:
+            log.warning(
+                "quantization=%r: this torch (%s) has no CUDA kernel for weight-only %s matmul; "
+                "keeping the %s weights", mode, torch.__version__, "/".join(missing), dtype,
+            )
+            return model
+    elif device.type != "cpu":
+        raise ValueError(f"quantization runs on cpu (or cuda where kernels exist), not on {device}")
+
+    debug = log.isEnabledFor(logging.DEBUG)
+    all_quantised = True
+    for name, lin in linears:
+        lmode = layer_mode(name)
+        if lmode is None:
+            all_quantised = False
+            continue
+        if lmode not in QUANT_MODES:
+            raise ValueError(f"unknown quantization {lmode!r} for layer {name}")
+        weight = lin.weight.detach().to("cpu")
+        if lmode == "int4" and name in affine_int4:
+            codes, scale, offset = affine_int4[name]
+            if tuple(codes.shape) != tuple(weight.shape):
+                raise ValueError(f"{name}: int4 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
+            q: _QuantLinear = Int4Linear.from_affine(codes, scale, offset, lin.bias, dtype)
+        else:
+            q = make_quant_linear(lmode, weight, lin.bias, dtype)
+        if debug:
+            log.debug("%s %s -> %s, relative error %.3e", name, tuple(weight.shape), type(q).__name__,
+                      _rel_err(weight, q))
+        q = q.to(device)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
+    if hasattr(model, "batch_invariant"):
+        model.batch_invariant = all_quantised
+    model.quantization = mode
+    return model
+
+
+@contextlib.contextmanager
+def reference_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Run every quantised layer through `ref_forward` (fp32 dequantise + F.linear) inside the block."""
+    mods = [m for m in model.modules() if isinstance(m, _QuantLinear)]
+    for m in mods:
+        m.use_reference = True
+        m._ref_weight = m.dequantize()
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.use_reference = False
+            m._ref_weight = None
