@@ -128,7 +128,9 @@ def test_quantize_model_replaces_every_linear(caplog):
         quantize_model(model, "int4")
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert isinstance(model.lm_head, Int8Linear)  # head="int8" by default
-    assert isinstance(model.layers[0].mlp.up_proj, Int4Linear)
+    assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear)  # fused
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)
     assert model.batch_invariant
     errs = [r for r in caplog.records if "relative error" in r.getMessage()]
     assert len(errs) == 2 * 7 + 1
@@ -146,11 +148,29 @@ def test_quantize_model_skip_keeps_float_and_invariance_off():
 def test_reference_mode_switches_layers():
     model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2).to(torch.bfloat16)
     quantize_model(model, "int8")
-    lin = model.layers[0].mlp.up_proj
-    x = torch.randn(3, 64).to(torch.bfloat16)
+    lin = model.layers[0].mlp.down_proj
+    x = torch.randn(3, 128).to(torch.bfloat16)
     with reference_mode(model):
         assert torch.equal(lin(x), lin.ref_forward(x))
     assert torch.equal(lin(x), torch._weight_int8pack_mm(x, lin.qweight, lin.scales))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("hidden", [64, 80])  # 80: int4 k/v blocks not whole packing blocks -> repacked
+def test_fused_projections_match_separate(mode, hidden):
+    torch.manual_seed(0)
+    kw = dict(vocab=64, hidden=hidden, heads=hidden // 16, kv_heads=1, seed=5)
+    fused = quantize_model(random_model(**kw).to(torch.bfloat16), mode)
+    plain = quantize_model(random_model(**kw).to(torch.bfloat16), mode, fuse=False)
+    attn, mlp = fused.layers[1].self_attn, fused.layers[1].mlp
+    assert attn.qkv_proj is not None and attn.q_proj is None and mlp.gate_up_proj is not None
+    x = torch.randn(5, hidden).to(torch.bfloat16)
+    pa, pm = plain.layers[1].self_attn, plain.layers[1].mlp
+    want = torch.cat([pa.q_proj(x), pa.k_proj(x), pa.v_proj(x)], dim=-1)
+    torch.testing.assert_close(attn.qkv_proj.dequantize(), torch.cat([pa.q_proj.dequantize(), pa.k_proj.dequantize(),
+                                                                      pa.v_proj.dequantize()]), rtol=0, atol=0)
+    torch.testing.assert_close(attn.qkv_proj(x), want, rtol=0, atol=0)
+    torch.testing.assert_close(mlp.gate_up_proj(x), torch.cat([pm.gate_proj(x), pm.up_proj(x)], dim=-1), rtol=0, atol=0)
 
 
 def test_cuda_kernel_probe_is_boolean():

@@ -193,9 +193,10 @@ class TestLocalRay:
         finally:
             target.shutdown()
 
-    def test_draft_killed_mid_generation(self, models, local_outputs):
+    @pytest.mark.parametrize("mode_name", ["sd", "ssd"])
+    def test_draft_killed_mid_generation(self, models, local_outputs, mode_name):
         target, draft = models
-        with LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True, **COMMON) as llm:
+        with LLM(target=target, draft=draft, mode=mode_name, k=3, use_ray=True, **COMMON) as llm:
             eng, mode = llm.engine, llm.engine.mode
             params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
             seqs = [eng.make_sequence(p, params) for p in PROMPTS]
@@ -208,15 +209,18 @@ class TestLocalRay:
                 eng.step()
                 if mode.draft_down is not None:
                     break
-            assert mode.draft_down is not None and mode.stats.policy["ar_fallback"] == 1
+            assert mode.draft_down is not None and mode.stats.policy.get("ar_fallback", 0) <= 1
             deadline = time.monotonic() + 120
             while mode._restart is not None and not mode._restart.done() and time.monotonic() < deadline:
                 time.sleep(0.2)
-            sd_before = mode.stats.policy["sd"]
+            def drafted_rounds() -> int:
+                return sum(v for k, v in mode.stats.policy.items() if k != "ar_fallback")
+
+            sd_before = drafted_rounds()
             while any(not s.finished for s in seqs):
                 eng.step()
             assert mode.draft_down is None and mode.draft_restarts == 1
-            assert mode.stats.policy["sd"] > sd_before  # drafting resumed on the fresh actor
+            assert drafted_rounds() > sd_before  # drafting resumed on the fresh actor
             assert mode.draft.alive()
             # a request added after the restart works too
             late = llm.generate([PROMPTS[0]], GREEDY)[0].token_ids

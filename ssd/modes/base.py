@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 
 from ssd.handles import WorkerHandle
 from ssd.sequence import Sequence
-from ssd.workers.messages import Draft, Outcome
+from ssd.workers.messages import Draft, Outcome, SamplingSpec
+
+
+def spec_of(seq: Sequence) -> SamplingSpec:
+    """The sampling settings a worker needs for this request."""
+    p = seq.params
+    return SamplingSpec(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
 
 
 @dataclass

@@ -15,9 +15,9 @@ import time
 import torch
 
 from ssd.fanout import FanoutPlanner
-from ssd.handles import WorkerHandle
-from ssd.modes.base import Mode
-from ssd.modes.sd import spec_of
+from ssd.handles import WorkerDied, WorkerHandle
+from ssd.modes.base import spec_of
+from ssd.modes.recovery import DraftBackedMode
 from ssd.policy import CostModel, choose
 from ssd.sequence import Sequence
 from ssd.workers.draft_worker import SpecRequest
@@ -25,7 +25,19 @@ from ssd.workers.messages import Draft, Outcome
 from ssd.workers.ngram import ngram_propose
 
 
-class SSDMode(Mode):
+class DraftLost(Exception):
+    """The draft died mid-round; carries the target's outcomes when verification completed."""
+
+    def __init__(self, drafts: list[Draft] | None = None, outcomes: list[Outcome] | None = None) -> None:
+        super().__init__("draft lost")
+        self.drafts, self.outcomes = drafts, outcomes
+
+
+EXPLORE_EVERY = 16  # rounds between re-measurements of a runner-up option
+EXPLORE_WITHIN = 1.5  # only options scored within this factor of the best are re-measured
+
+
+class SSDMode(DraftBackedMode):
     name = "ssd"
 
     def __init__(
@@ -40,8 +52,7 @@ class SSDMode(Mode):
         vocab_size: int,
         ngram_max: int = 4,
     ) -> None:
-        super().__init__(target, k)
-        self.draft = draft
+        super().__init__(target, draft, k)
         self.planner = planner
         self.backup = backup
         self.allowed = allowed
@@ -55,10 +66,12 @@ class SSDMode(Mode):
         self.round_id = 0
         self.last_choice = ""
         self.last_scores: dict[str, float] = {}
+        self._rounds_since_explore = 0
+        self._last_tried: dict[str, int] = {}
 
     # -- sequences ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.draft.call("add", seq.seq_id, seq.prompt_ids, spec_of(seq)).result()
+        super().add(seq)
         self._rng[seq.seq_id] = random.Random(seq.params.seed if seq.params.seed is not None else seq.seq_id)
 
     def remove(self, seq: Sequence) -> None:
@@ -66,7 +79,7 @@ class SSDMode(Mode):
         self.fanout_used.pop(seq.seq_id, None)
         self._rng.pop(seq.seq_id, None)
         self.planner.forget(seq.seq_id)
-        self.draft.call("remove", seq.seq_id)
+        super().remove(seq)
 
     # -- policy ------------------------------------------------------------------------------
     def _choose(self, batch: int) -> str:
@@ -74,6 +87,15 @@ class SSDMode(Mode):
             choice, self.last_scores = self.allowed[0], {}
         else:
             choice, self.last_scores = choose(self.cost, batch, self.k, self.allowed)
+            # Estimates of options never chosen go stale: now and then re-measure a close runner-up.
+            self._rounds_since_explore += 1
+            if self._rounds_since_explore >= EXPLORE_EVERY:
+                close = [o for o in self.allowed
+                         if o != choice and self.last_scores[o] <= EXPLORE_WITHIN * self.last_scores[choice]]
+                if close:
+                    choice = min(close, key=lambda o: self._last_tried.get(o, -1))
+                self._rounds_since_explore = 0
+            self._last_tried[choice] = self.stats.rounds
         self.last_choice = choice
         return choice
 
@@ -87,9 +109,22 @@ class SSDMode(Mode):
 
     # -- one round ---------------------------------------------------------------------------
     def round(self, seqs: list[Sequence]) -> list[Outcome]:
+        if self.draft_down is not None and not self._draft_back():
+            self.current.clear()
+            return self._ar_round(seqs)  # exact without a draft; the restart runs meanwhile
+        try:
+            return self._round(seqs)
+        except DraftLost as lost:
+            self.current.clear()
+            if lost.outcomes is not None:  # the target verified this round; only the draft side failed
+                self._record(seqs, lost.drafts, lost.outcomes, "ssd")
+                return lost.outcomes
+            return self._ar_round(seqs)
+
+    def _round(self, seqs: list[Sequence]) -> list[Outcome]:
         choice = self._choose(len(seqs))
         if choice == "ar":
-            return self._ar_round(seqs)
+            return self._plain_round(seqs)
         missing = [s for s in seqs if s.seq_id not in self.current]
         if missing and choice == "ssd_fast":  # no prepared speculation: the fast backup drafts
             for s in missing:
@@ -97,7 +132,7 @@ class SSDMode(Mode):
         elif missing:  # just-in-time neural drafts (first round, or after an SD / AR round)
             t0 = time.perf_counter()
             fo = [self.planner.plan(s.seq_id, "primary") for s in missing]
-            drafts, qs = self.draft.call("propose", [(s.seq_id, self.draft_len(s)) for s in missing], fo).result()
+            drafts, qs = self._draft_call("propose", [(s.seq_id, self.draft_len(s)) for s in missing], fo)
             dt = time.perf_counter() - t0
             self.stats.draft_s += dt
             self.cost.draft_step.update(dt / max(1, max(len(d.tokens) for d in drafts)))
@@ -127,7 +162,15 @@ class SSDMode(Mode):
         self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), time.perf_counter() - t0)
         return outcomes
 
-    def _ar_round(self, seqs: list[Sequence]) -> list[Outcome]:
+    def _draft_call(self, method: str, *args):
+        try:
+            return self.draft.call(method, *args).result()
+        except WorkerDied as e:
+            self._draft_lost(e)
+            raise DraftLost() from e
+
+    def _plain_round(self, seqs: list[Sequence]) -> list[Outcome]:
+        """The policy chose AR: no drafts; the draft just learns the emitted tokens."""
         drafts = [Draft(seq_id=s.seq_id) for s in seqs]
         outcomes = self._timed_verify(drafts, [None] * len(seqs))
         for o in outcomes:
@@ -153,19 +196,27 @@ class SSDMode(Mode):
         t0 = time.perf_counter()
         fut_v = self.target.call("verify", drafts, q_draft)
         fut_s = self.draft.call("speculate", requests)  # runs on the draft's device meanwhile
-        outcomes = fut_v.result()
+        outcomes = fut_v.result()  # a target failure propagates: it fails the batch with its error
         t_verify = time.perf_counter() - t0
         self.stats.verify_s += t_verify
         self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), t_verify)
         t1 = time.perf_counter()
-        info = fut_s.result()
+        try:
+            info = fut_s.result()
+        except WorkerDied as e:
+            self._draft_lost(e)
+            raise DraftLost(drafts, outcomes) from e
         self.cost.speculate.update(info["seconds"])
         resolve_in = []
         for s, o in zip(seqs, outcomes):
             k_next = max(0, min(self.k, s.remaining - len(o.tokens) - 1))
             resolve_in.append((s.seq_id, o.num_accepted, o.tokens, k_next))
         fo = [self.planner.plan(s.seq_id, "primary") for s in seqs]
-        resolutions = self.draft.call("resolve", resolve_in, neural, fo).result()
+        try:
+            resolutions = self.draft.call("resolve", resolve_in, neural, fo).result()
+        except WorkerDied as e:
+            self._draft_lost(e)
+            raise DraftLost(drafts, outcomes) from e
         self.stats.draft_s += time.perf_counter() - t1  # speculation overrun + lookup + backup
         hits = 0
         for s, o, r, (_, _, _, k_next) in zip(seqs, outcomes, resolutions, resolve_in):

@@ -1,0 +1,196 @@
+"""Tensor-parallel target: two gloo ranks give the single-rank model's logits and tokens.
+
+In process: two ranks as two spawned processes (torch.multiprocessing, gloo over a FileStore).
+With Ray: `LLM(..., use_ray=True, extra={"target_tp": 2})` gives the TP=1 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tiny_models import random_model
+from torch import nn
+
+from ssd.workers.messages import Draft, SamplingSpec
+from ssd.workers.model_runner import ModelRunner
+from ssd.workers.models.quant import quantize_model
+from ssd.workers.models.tensor_parallel import RowParallelLinear, shard_model
+from ssd.workers.target_worker import TargetWorker
+
+WORLD = 2
+ATOL = 1e-5
+
+# name -> (random_model kwargs, quantization)
+CASES = {
+    "qwen2": (dict(arch="qwen2", vocab=48, seed=1), None),  # q/k/v bias, tied embeddings
+    "llama": (dict(arch="llama", vocab=48, seed=2), None),
+    "qwen3": (dict(arch="qwen3", vocab=48, seed=3), None),  # q/k norms
+    "qwen2_int8": (dict(arch="qwen2", vocab=48, seed=4), "int8"),  # fused qkv / gate_up, row attention
+    "llama_int4": (dict(arch="llama", vocab=48, hidden=64, seed=5), "int4"),
+}
+
+
+def _case_model(name: str):
+    kw, quant = CASES[name]
+    model = random_model(**kw).float()
+    if quant is not None:
+        quantize_model(model, quant)
+    return model
+
+
+def _score(model) -> list[torch.Tensor]:
+    """Prefill, decode, batched multi-token scoring (with padding), a tree, rollback: every logits tensor."""
+    r = ModelRunner(model, max_slots=3, max_len=64)
+    a, b = r.allocate(), r.allocate()
+    out = [r.forward([a], [[1, 5, 9, 2, 7, 3, 11]]), r.forward([b], [[4, 4, 8, 1]])]
+    out.append(r.forward([a], [[5]]))
+    out.append(r.forward([a, b], [[3], [9]]))
+    out.append(r.forward([a, b], [[1, 2, 3, 4], [6, 7]]))
+    r.truncate(a, 10)
+    out.append(r.forward([a], [[4, 5, 6, 7]], parents=[[-1, -1, 0, 2]]))
+    r.keep(a, 10, [0, 2, 3])
+    out.append(r.forward([a, b], [[8, 1], [2]], last_only=True))
+    return out
+
+
+def _worker_script(w) -> list[tuple]:
+    """Add greedy / seeded / unseeded sequences; verify chains and trees for a few rounds."""
+    specs = [SamplingSpec(temperature=0), SamplingSpec(temperature=0.8, seed=5), SamplingSpec(temperature=1.0)]
+    prompts = [[1, 2, 3, 4, 5], [7, 7, 9], [3, 1, 4, 1, 5, 9]]
+    for i, (p, s) in enumerate(zip(prompts, specs)):
+        w.add(i, p, s)
+    last = {i: p[-3:] for i, p in enumerate(prompts)}
+    results = []
+    for rnd in range(4):
+        drafts = []
+        for i in range(3):
+            toks = [(t * 5 + rnd) % 48 for t in last[i]][: 1 + rnd % 3]
+            if rnd == 2 and i != 2:  # trees (not on the unseeded one: it has no single-rank reference)
+                drafts.append(Draft(seq_id=i, tokens=toks + [toks[0]], parents=[-1] * len(toks) + [0], q_kind="point"))
+            else:
+                drafts.append(Draft(seq_id=i, tokens=toks, q_kind="point"))
+        for o in w.verify(drafts):
+            last[o.seq_id] = (last[o.seq_id] + o.tokens)[-3:]
+            results.append((o.seq_id, o.num_accepted, tuple(o.tokens), tuple(o.accepted_nodes or ())))
+    return results
+
+
+def _rank_main(rank: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store0", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    logits = {}
+    for name in CASES:
+        model = shard_model(_case_model(name), rank, WORLD)
+        assert model.layers[0].self_attn.n_kv == 1 and isinstance(model.layers[0].mlp.down_proj, RowParallelLinear)
+        logits[name] = _score(model)
+    dist.destroy_process_group()
+
+    from ssd.workers.tp_worker import TPTargetWorker
+
+    kw = dict(dtype="float32", max_slots=4, max_len=64, tp_rank=rank, tp_size=WORLD, dist_timeout_s=60)
+    w = TPTargetWorker(random_model(arch="llama", vocab=48, seed=6, scale=3.0), dist_init=f"file://{tmp}/store1", **kw)
+    assert w.runner.kv.k.shape[2] == 1  # this rank's KV head only
+    outcomes = _worker_script(w)
+    disagree_clean = w.tp_disagreements
+    # Rank 1 with a different LM head takes rank 0's (chain) outcomes and stays in step.
+    for s in range(3):
+        w.remove(s)
+    if rank == 1:
+        w.model.lm_head = nn.Linear(32, 48, bias=False)
+    forced = []
+    w.add(0, [1, 2, 3, 4, 5], SamplingSpec(temperature=0))
+    for rnd in range(4):
+        o = w.verify([Draft(seq_id=0, tokens=[(3 * rnd + j) % 48 for j in range(rnd % 3)])])[0]
+        forced.append((o.num_accepted, tuple(o.tokens)))
+    torch.save({"logits": logits, "outcomes": outcomes, "disagree_clean": disagree_clean, "forced": forced,
+                "disagree_forced": w.tp_disagreements}, f"{tmp}/rank{rank}.pt")
+    w.close_tp()
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("tp"))
+    mp.spawn(_rank_main, args=(tmp,), nprocs=WORLD, join=True)
+    return [torch.load(f"{tmp}/rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp2_logits_equal_single_rank(rank_results, name):
+    ref = _score(_case_model(name))
+    for res in rank_results:
+        got = res["logits"][name]
+        assert len(got) == len(ref)
+        for g, e in zip(got, ref):
+            assert g.shape == e.shape
+            torch.testing.assert_close(g, e, atol=ATOL, rtol=0)
+    # Every rank computes the LM head on the same all-reduced hidden states: the same bits.
+    for g0, g1 in zip(rank_results[0]["logits"][name], rank_results[1]["logits"][name]):
+        assert torch.equal(g0, g1)
+
+
+def test_tp2_worker_outcomes(rank_results):
+    r0, r1 = rank_results
+    assert r0["outcomes"] == r1["outcomes"] and r0["disagree_clean"] == r1["disagree_clean"] == 0
+    ref = TargetWorker(random_model(arch="llama", vocab=48, seed=6, scale=3.0), dtype="float32", max_slots=4,
+                       max_len=64)
+    expected = _worker_script(ref)
+    assert any(o[1] > 0 for o in expected)  # some drafts accepted
+    # greedy and seeded sequences: the single-rank outcomes (the unseeded one only matches across ranks)
+    assert [o for o in r0["outcomes"] if o[0] != 2] == [o for o in expected if o[0] != 2]
+    # a rank whose LM head disagrees follows rank 0
+    assert r1["forced"] == r0["forced"] and r0["disagree_forced"] == 0 and r1["disagree_forced"] > 0
+
+
+def test_shard_errors():
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        shard_model(random_model(heads=4, kv_heads=1), 0, 2)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        shard_model(random_model(heads=4, kv_heads=2), 0, 3)
+    with pytest.raises(ValueError, match="rank"):
+        shard_model(random_model(), 2, 2)
+    m = random_model()
+    assert shard_model(m, 0, 1) is m and isinstance(m.layers[0].self_attn.o_proj, nn.Linear)
+
+
+# -- Ray ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.ray
+def test_ray_tp2_equals_tp1(ray_local):
+    from ssd import LLM, SamplingParams
+
+    target = random_model(vocab=40, layers=2, seed=3, scale=2.0)
+    draft = random_model(vocab=40, layers=1, seed=4, scale=2.0)
+    common = dict(dtype="float32", max_batch=2, max_len=128)
+    prompts = [[1, 2, 3, 4], [7, 7, 7], [20]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, max_tokens=10, seed=7, ignore_eos=True)
+    with LLM(target=target, mode="ar", **common) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, greedy)]
+    with LLM(target=target, draft=draft, mode="sd", k=3, **common) as llm:
+        ref_sampled = [o.token_ids for o in llm.generate(prompts, sampled)]
+    tp = {"target_tp": 2}
+    with LLM(target=target, mode="ar", use_ray=True, extra=tp, **common) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == ref
+        h = llm._handles[0]
+        infos = [f.result() for f in h.call_all("info")]
+        assert [i["tp_rank"] for i in infos] == [0, 1] and infos[0]["pid"] != infos[1]["pid"]
+        assert h.call_all("ping")[1].result() is True
+    with LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True, extra=tp, **common) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == ref
+        assert [o.token_ids for o in llm.generate(prompts, sampled)] == ref_sampled
+    assert os.getpid()  # the driver survived; actors are gone with the LLMs
