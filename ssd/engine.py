@@ -9,8 +9,7 @@ import time
 from typing import Any
 
 from ssd.handles import WorkerHandle
-from ssd.modes.base import Mode
-from ssd.modes.base import spec_of
+from ssd.modes.base import Mode, spec_of
 from ssd.sampling_params import SamplingParams
 from ssd.scheduler import Scheduler
 from ssd.sequence import Sequence, Status

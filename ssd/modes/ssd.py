@@ -16,7 +16,6 @@ import torch
 
 from ssd.fanout import FanoutPlanner
 from ssd.handles import WorkerDied, WorkerHandle
-from ssd.modes.base import spec_of
 from ssd.modes.recovery import DraftBackedMode
 from ssd.policy import CostModel, choose
 from ssd.sequence import Sequence
