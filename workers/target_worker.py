@@ -34,8 +34,9 @@ class TargetWorker(ModelWorker):
         if chains:
             for i, o in zip(chains, self._verify_chains([drafts[i] for i in chains], [q_draft[i] for i in chains])):
                 out[i] = o
-        for i in trees:
-            out[i] = self._verify_tree(drafts[i], q_draft[i])
+        if trees:
+            for i, o in zip(trees, self._verify_trees([drafts[i] for i in trees], [q_draft[i] for i in trees])):
+                out[i] = o
         self.last_verify_s = time.perf_counter() - t0
         return out  # type: ignore[return-value]
 
@@ -97,28 +98,39 @@ class TargetWorker(ModelWorker):
             outcomes.append(Outcome(seq_id=d.seq_id, num_accepted=k, tokens=emitted))
         return outcomes
 
-    def _verify_tree(self, d: Draft, q_nodes: torch.Tensor | None) -> Outcome:
-        """Verify a token tree: [pending] is node 0, tree node i is node i + 1."""
-        st = self.seqs[d.seq_id]
-        assert d.parents is not None
-        parents = [-1] + [p + 1 if p >= 0 else 0 for p in d.parents]
-        logits = self.runner.forward([st.slot], [[st.pending, *d.tokens]], parents=[parents])[0]  # [N+1, V]
-        tree_tokens = torch.tensor(d.tokens, dtype=torch.long)
-        tree_parents = torch.tensor(d.parents, dtype=torch.long)
-        if st.spec.greedy:
-            path, nxt = verify_tree_greedy(tree_tokens, tree_parents, logits[0], logits[1:])
-        else:
-            sp = st.spec
-            p_target = filter_logits(
-                logits[None], torch.tensor([sp.temperature]), torch.tensor([sp.top_k]), torch.tensor([sp.top_p])
-            )[0]  # [N+1, V]
-            uniforms = torch.rand(2 * len(d.tokens) + 1, generator=st.gen)
-            q_root, q_rest = (None, None) if d.q_kind != "dist" or q_nodes is None else (q_nodes[0], q_nodes[1:])
-            path, nxt = verify_tree_rejection(
-                tree_tokens, tree_parents, p_target[0], p_target[1:], q_root, q_rest, uniforms
-            )
-        self.runner.keep(st.slot, st.committed, [0] + [1 + i for i in path])
-        st.committed += 1 + len(path)
-        st.pending = int(nxt)
-        emitted = [d.tokens[i] for i in path] + [int(nxt)]
-        return Outcome(seq_id=d.seq_id, num_accepted=len(path), tokens=emitted, accepted_nodes=list(path))
+    def _verify_trees(self, drafts: list[Draft], q_draft: list[torch.Tensor | None]) -> list[Outcome]:
+        """Verify token trees, all scored in one forward: [pending] is node 0, tree node i is node i + 1.
+
+        q_draft[b] (q_kind "dist") is [N+1, V]: row 0 is the distribution the root's children were
+        drawn from, row 1 + i the one node i's children were drawn from (i.i.d. siblings). Without
+        it, siblings are distinct point masses (e.g. the draft's top-k).
+        """
+        states = [self.seqs[d.seq_id] for d in drafts]
+        blocks = [[st.pending, *d.tokens] for st, d in zip(states, drafts)]
+        parents = [[-1] + [p + 1 if p >= 0 else 0 for p in d.parents or []] for d in drafts]
+        logits = self.runner.forward([st.slot for st in states], blocks, parents=parents)  # [B, N+1, V]
+        outcomes = []
+        for b, (st, d) in enumerate(zip(states, drafts)):
+            n = len(d.tokens)
+            row = logits[b, : n + 1]  # [N+1, V]
+            tree_tokens = torch.tensor(d.tokens, dtype=torch.long)
+            tree_parents = torch.tensor(d.parents, dtype=torch.long)
+            if st.spec.greedy:
+                path, nxt = verify_tree_greedy(tree_tokens, tree_parents, row[0], row[1:])
+            else:
+                sp = st.spec
+                p_target = filter_logits(
+                    row[None], torch.tensor([sp.temperature]), torch.tensor([sp.top_k]), torch.tensor([sp.top_p])
+                )[0]  # [N+1, V]
+                uniforms = torch.rand(2 * n + 1, generator=st.gen)
+                q = q_draft[b] if d.q_kind == "dist" else None
+                path, nxt = verify_tree_rejection(
+                    tree_tokens, tree_parents, p_target[0], p_target[1:],
+                    None if q is None else q[0], None if q is None else q[1:], uniforms,
+                )
+            self.runner.keep(st.slot, st.committed, [0] + [1 + i for i in path])
+            st.committed += 1 + len(path)
+            st.pending = int(nxt)
+            emitted = [d.tokens[i] for i in path] + [int(nxt)]
+            outcomes.append(Outcome(seq_id=d.seq_id, num_accepted=len(path), tokens=emitted, accepted_nodes=list(path)))
+        return outcomes

@@ -1,0 +1,74 @@
+"""Tree verification through the TargetWorker: greedy equals AR; sampling is exact (point-mass siblings)."""
+
+from exactness import chi_square_pvalue, exact_continuation_probs
+from tiny_models import random_model
+
+from ssd import SamplingParams
+from ssd.workers.messages import Draft, SamplingSpec
+from ssd.workers.target_worker import TargetWorker
+
+V = 16
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def ar_tokens(model, n: int) -> list[int]:
+    w = TargetWorker(model, dtype="float32", max_slots=1, max_len=64)
+    w.add(0, PROMPT, SamplingSpec(temperature=0))
+    out = []
+    while len(out) < n:
+        out += w.verify([Draft(seq_id=0)])[0].tokens
+    return out[:n]
+
+
+def test_greedy_tree_accepts_the_argmax_path_and_continues_exactly():
+    model = random_model(vocab=V, layers=2, seed=21, scale=2.0)
+    ref = ar_tokens(model, 8)
+    wrong = [(t + 1) % V for t in ref]
+    # root children: a wrong token and the right one; under the right one a wrong and a right child
+    tokens = [wrong[0], ref[0], wrong[1], ref[1], ref[2]]
+    parents = [-1, -1, 1, 1, 3]
+    w = TargetWorker(model, dtype="float32", max_slots=1, max_len=64)
+    w.add(0, PROMPT, SamplingSpec(temperature=0))
+    o = w.verify([Draft(seq_id=0, tokens=tokens, q_kind="point", parents=parents)])[0]
+    assert o.accepted_nodes == [1, 3, 4]
+    assert o.tokens == ref[:4]
+    # the cache now holds exactly the accepted path: plain decoding continues like AR
+    rest = []
+    while len(rest) < 4:
+        rest += w.verify([Draft(seq_id=0)])[0].tokens
+    assert o.tokens + rest[:4] == ref
+
+
+def test_sampled_tree_with_point_mass_siblings_is_exact():
+    model = random_model(vocab=V, layers=2, seed=22, scale=1.5)
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuation_probs(model, PROMPT, 2, params)
+    top = sorted(exact, key=lambda k: -exact[k])
+    firsts = list(dict.fromkeys(t[0] for t in top))[:3]
+    # a 3-sibling root level, each with two children (the likeliest continuations)
+    tokens, parents = [], []
+    for f in firsts:
+        tokens.append(f)
+        parents.append(-1)
+        node = len(tokens) - 1
+        for second in [t[1] for t in top if t[0] == f][:2]:
+            tokens.append(second)
+            parents.append(node)
+    n = 2000
+    w = TargetWorker(model, dtype="float32", max_slots=64, max_len=64)
+    samples = []
+    for start in range(0, n, 64):
+        ids = list(range(start, min(n, start + 64)))
+        for i in ids:
+            w.add(i, PROMPT, SamplingSpec(temperature=1.0, seed=i))
+        outs = w.verify([Draft(seq_id=i, tokens=tokens, q_kind="point", parents=parents) for i in ids])
+        short = [o.seq_id for o in outs if len(o.tokens) < 2]
+        more = {o.seq_id: o.tokens for o in w.verify([Draft(seq_id=i) for i in short])} if short else {}
+        for o in outs:
+            samples.append(tuple((o.tokens + more.get(o.seq_id, []))[:2]))
+        for i in ids:
+            w.remove(i)
+    p = chi_square_pvalue(samples, exact)
+    assert p > 1e-3, p
+    # the tree was really used: most samples took at least one drafted node
+    assert sum(s[0] in firsts for s in samples) > n * 0.5
