@@ -196,9 +196,7 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             raise CLIError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
         kw["device"] = device
         if args.target_tp:
-            if args.target_tp > 1 and device == "cpu":
-                raise CLIError("--target-tp > 1 needs GPUs (--gpus)")
-            extra["target_tp"] = args.target_tp
+            extra["target_tp"] = args.target_tp  # on CPU: ranks over gloo, the target's cores split between them
     if args.target_tp is not None and args.target_tp < 1:
         raise CLIError("--target-tp must be >= 1")
     for flag, key in (("k", "k"), ("fanout", "fanout"), ("saguaro_c", "saguaro_c"), ("dtype", "dtype"),

@@ -12,6 +12,13 @@ CUDA_VISIBLE_DEVICES to the GPU it was given.
 
 cfg.extra["draft_resource"] (e.g. {"draft_node": 1}) puts the draft wherever that custom Ray
 resource is (another node), outside the placement group, unpinned.
+
+Tensor-parallel target (cfg.extra["target_tp"] = T > 1): T target actors (TPTargetWorker ranks,
+launch/tp.py), one placement-group bundle each: {"GPU": 1, "CPU": 1} per rank on GPUs (bundles
+0..T-1; the draft's, if any, is bundle T), {"CPU": c} per rank on CPU (the draft stays outside the
+group). On CPU the target's cores are split evenly between the ranks (each the same number of
+cores and threads, so they round alike); with fewer cores than ranks, the ranks share them, one
+thread each.
 """
 
 from __future__ import annotations
@@ -37,10 +44,24 @@ class ActorPlan:
 
 @dataclass
 class Plan:
-    target: ActorPlan
+    target: ActorPlan  # the target, or rank 0 of a tensor-parallel target
     draft: ActorPlan | None
     bundles: list[dict[str, float]] = field(default_factory=list)  # empty: no placement group
     strategy: str = "STRICT_PACK"
+    targets: list[ActorPlan] = field(default_factory=list)  # one per tensor-parallel rank ([target] if none)
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            self.targets = [self.target]
+
+
+def target_tp(cfg: Config) -> int:
+    """The target's tensor-parallel degree (cfg.extra["target_tp"], default 1)."""
+    tp = cfg.extra.get("target_tp")
+    tp = 1 if tp is None else tp
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"target_tp must be an integer >= 1, got {tp!r}")
+    return tp
 
 
 def uses_gpu(cfg: Config) -> bool:
@@ -59,10 +80,14 @@ def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
     """
     has_draft = wants_draft(cfg)
     draft_res = dict(cfg.extra.get("draft_resource") or {})
+    tp = target_tp(cfg)
     if uses_gpu(cfg):
-        target = ActorPlan("target", num_cpus=1, num_gpus=1, bundle=0, device="cuda",
-                           num_threads=cfg.target_threads, cpu_cores=cfg.target_cores)
-        bundles = [{"GPU": 1, "CPU": 1}]
+        targets = [
+            ActorPlan("target" if tp == 1 else f"target{r}", num_cpus=1, num_gpus=1, bundle=r, device="cuda",
+                      num_threads=cfg.target_threads, cpu_cores=cfg.target_cores)
+            for r in range(tp)
+        ]
+        bundles: list[dict[str, float]] = [{"GPU": 1, "CPU": 1} for _ in range(tp)]
         draft = None
         if has_draft:
             draft_dev = cfg.draft_device or "cuda"
@@ -75,7 +100,7 @@ def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
                 if not draft_res:
                     bundles.append({"GPU": 1, "CPU": 1})
                     draft.bundle = len(bundles) - 1
-        return Plan(target, draft, bundles, cfg.extra.get("placement_strategy", "STRICT_PACK"))
+        return Plan(targets[0], draft, bundles, cfg.extra.get("placement_strategy", "STRICT_PACK"), targets)
 
     cores = list(cores) or [0]
     remote_draft = has_draft and bool(draft_res)
@@ -106,7 +131,20 @@ def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
             )
         if cfg.draft_device and cfg.draft_device.startswith("cuda"):
             draft.device, draft.num_gpus = "cuda", 1
-    return Plan(target, draft)
+    if tp == 1:
+        return Plan(target, draft)
+    per = len(t_cores) // tp
+    if per:  # an equal share of the target's cores per rank (a remainder stays idle)
+        chunks, cpus = [t_cores[r * per : (r + 1) * per] for r in range(tp)], float(per)
+    else:  # fewer cores than ranks: every rank on all of them, one thread each
+        chunks, cpus = [list(t_cores)] * tp, target.num_cpus / tp
+    targets = [
+        ActorPlan(f"target{r}", num_cpus=cpus, bundle=r, num_threads=cfg.target_threads or max(1, per),
+                  cpu_cores=chunk if (pin or cfg.target_cores) else None)
+        for r, chunk in enumerate(chunks)
+    ]
+    bundles = [{"CPU": cpus} for _ in range(tp)]
+    return Plan(targets[0], draft, bundles, cfg.extra.get("placement_strategy", "STRICT_PACK"), targets)
 
 
 def init_ray(cfg: Config) -> bool:
@@ -178,10 +216,21 @@ def place_workers(
         kwargs.update(extra or {})
         return lambda: actor_cls.remote(model, **kwargs)
 
-    handles: list[RayHandle] = []
+    handles: list[Any] = []
     try:
-        spawn_t = spawn_fn(TargetWorker, plan.target, cfg.target, target_kwargs)
-        target = RayHandle(spawn_t(), "target", spawn_t, placement_group=pg)
+        if len(plan.targets) == 1:
+            spawn_t = spawn_fn(TargetWorker, plan.target, cfg.target, target_kwargs)
+            target = RayHandle(spawn_t(), "target", spawn_t, placement_group=pg)
+        else:  # tensor-parallel ranks (launch/tp.py)
+            from ssd.launch.tp import RayTPTargetWorker, start_tp_target
+
+            tp = len(plan.targets)
+            tp_kwargs = dict(target_kwargs or {}, tp_size=tp, dist_backend=cfg.extra.get("tp_backend"))
+            spawns = [
+                spawn_fn(RayTPTargetWorker, ap, cfg.target, dict(tp_kwargs, tp_rank=r))
+                for r, ap in enumerate(plan.targets)
+            ]
+            target = start_tp_target(spawns, "target", placement_group=pg)
         handles.append(target)
         draft = None
         if plan.draft is not None:
@@ -199,7 +248,10 @@ def place_workers(
     except BaseException:
         for h in reversed(handles):
             h.shutdown()
-        if pg is not None and not handles:
-            remove_placement_group(pg)
+        if pg is not None:
+            try:
+                remove_placement_group(pg)  # a no-op error if the target's handle already removed it
+            except Exception:  # noqa: BLE001
+                pass
         raise
     return target, draft, info, tokenizer

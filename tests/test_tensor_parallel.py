@@ -35,6 +35,10 @@ CASES = {
 }
 
 
+def _worker_model():
+    return random_model(arch="llama", vocab=48, seed=6, scale=3.0).float()
+
+
 def _case_model(name: str):
     kw, quant = CASES[name]
     model = random_model(**kw).float()
@@ -58,24 +62,36 @@ def _score(model) -> list[torch.Tensor]:
     return out
 
 
-def _worker_script(w) -> list[tuple]:
-    """Add greedy / seeded / unseeded sequences; verify chains and trees for a few rounds."""
+def _greedy(model, ids: list[int], n: int) -> list[int]:
+    """The model's greedy continuation of `ids` (a fresh cache): an oracle draft that gets accepted."""
+    r = ModelRunner(model, max_slots=1, max_len=64)
+    slot = r.allocate()
+    out = [int(r.forward([slot], [ids], last_only=True)[0].argmax())]
+    while len(out) < n:
+        out.append(int(r.forward([slot], [out[-1:]], last_only=True)[0].argmax()))
+    return out
+
+
+def _worker_script(w, oracle) -> list[tuple]:
+    """Add greedy / seeded / unseeded sequences; verify chains and trees (right and wrong drafts)."""
     specs = [SamplingSpec(temperature=0), SamplingSpec(temperature=0.8, seed=5), SamplingSpec(temperature=1.0)]
-    prompts = [[1, 2, 3, 4, 5], [7, 7, 9], [3, 1, 4, 1, 5, 9]]
-    for i, (p, s) in enumerate(zip(prompts, specs)):
+    hist = [[1, 2, 3, 4, 5], [7, 7, 9], [3, 1, 4, 1, 5, 9]]
+    for i, (p, s) in enumerate(zip(hist, specs)):
         w.add(i, p, s)
-    last = {i: p[-3:] for i, p in enumerate(prompts)}
     results = []
-    for rnd in range(4):
+    for rnd in range(5):
         drafts = []
         for i in range(3):
-            toks = [(t * 5 + rnd) % 48 for t in last[i]][: 1 + rnd % 3]
-            if rnd == 2 and i != 2:  # trees (not on the unseeded one: it has no single-rank reference)
-                drafts.append(Draft(seq_id=i, tokens=toks + [toks[0]], parents=[-1] * len(toks) + [0], q_kind="point"))
+            toks = _greedy(oracle, hist[i], 3)
+            if rnd % 2:
+                toks[rnd % 3] = (toks[rnd % 3] + 1) % 48  # a wrong token somewhere
+            if rnd == 2 and i != 2:  # a tree: the chain plus a sibling of its first node
+                drafts.append(Draft(seq_id=i, tokens=toks + [(toks[0] + 3) % 48], parents=[-1, 0, 1, -1],
+                                    q_kind="point"))
             else:
-                drafts.append(Draft(seq_id=i, tokens=toks, q_kind="point"))
+                drafts.append(Draft(seq_id=i, tokens=toks[: 1 + rnd % 3], q_kind="point"))
         for o in w.verify(drafts):
-            last[o.seq_id] = (last[o.seq_id] + o.tokens)[-3:]
+            hist[o.seq_id] += o.tokens
             results.append((o.seq_id, o.num_accepted, tuple(o.tokens), tuple(o.accepted_nodes or ())))
     return results
 
@@ -94,9 +110,9 @@ def _rank_main(rank: int, tmp: str) -> None:
     from ssd.workers.tp_worker import TPTargetWorker
 
     kw = dict(dtype="float32", max_slots=4, max_len=64, tp_rank=rank, tp_size=WORLD, dist_timeout_s=60)
-    w = TPTargetWorker(random_model(arch="llama", vocab=48, seed=6, scale=3.0), dist_init=f"file://{tmp}/store1", **kw)
+    w = TPTargetWorker(_worker_model(), dist_init=f"file://{tmp}/store1", **kw)
     assert w.runner.kv.k.shape[2] == 1  # this rank's KV head only
-    outcomes = _worker_script(w)
+    outcomes = _worker_script(w, _worker_model())
     disagree_clean = w.tp_disagreements
     # Rank 1 with a different LM head takes rank 0's (chain) outcomes and stays in step.
     for s in range(3):
@@ -137,10 +153,9 @@ def test_tp2_logits_equal_single_rank(rank_results, name):
 def test_tp2_worker_outcomes(rank_results):
     r0, r1 = rank_results
     assert r0["outcomes"] == r1["outcomes"] and r0["disagree_clean"] == r1["disagree_clean"] == 0
-    ref = TargetWorker(random_model(arch="llama", vocab=48, seed=6, scale=3.0), dtype="float32", max_slots=4,
-                       max_len=64)
-    expected = _worker_script(ref)
-    assert any(o[1] > 0 for o in expected)  # some drafts accepted
+    ref = TargetWorker(_worker_model(), dtype="float32", max_slots=4, max_len=64)
+    expected = _worker_script(ref, _worker_model())
+    assert sum(o[1] for o in expected) >= 10 and any(o[3] for o in expected)  # drafts and tree nodes accepted
     # greedy and seeded sequences: the single-rank outcomes (the unseeded one only matches across ranks)
     assert [o for o in r0["outcomes"] if o[0] != 2] == [o for o in expected if o[0] != 2]
     # a rank whose LM head disagrees follows rank 0
@@ -156,6 +171,45 @@ def test_shard_errors():
         shard_model(random_model(), 2, 2)
     m = random_model()
     assert shard_model(m, 0, 1) is m and isinstance(m.layers[0].self_attn.o_proj, nn.Linear)
+
+
+# -- placement plans and the CLI (no Ray) ----------------------------------------------------------
+
+
+def test_tp_placement_plans():
+    from ssd.config import Config
+    from ssd.launch.placement import plan_placement
+
+    p = plan_placement(Config(target="t", mode="ar", extra={"target_tp": 2}), [0, 1, 2, 3, 4])
+    assert [(t.cpu_cores, t.num_threads, t.num_cpus, t.bundle) for t in p.targets] == [
+        ([0, 1], 2, 2.0, 0), ([2, 3], 2, 2.0, 1)]  # equal shares; core 4 idle
+    assert p.target is p.targets[0] and p.bundles == [{"CPU": 2.0}, {"CPU": 2.0}]
+    # this box: 2 cores, a draft: the ranks share the target's core, one thread each
+    p = plan_placement(Config(target="t", draft="d", mode="sd", extra={"target_tp": 2}), [0, 1])
+    assert [(t.cpu_cores, t.num_threads, t.num_cpus) for t in p.targets] == [([0], 1, 0.5), ([0], 1, 0.5)]
+    assert p.draft.cpu_cores == [1] and p.draft.bundle is None
+    g = plan_placement(Config(target="t", draft="d", mode="sd", device="cuda", extra={"target_tp": 4}), [0])
+    assert [t.bundle for t in g.targets] == [0, 1, 2, 3] and g.draft.bundle == 4
+    assert g.bundles == [{"GPU": 1, "CPU": 1}] * 5 and all(t.num_gpus == 1 for t in g.targets)
+    one = plan_placement(Config(target="t", mode="ar"), [0, 1])
+    assert one.targets == [one.target] and not one.bundles
+    with pytest.raises(ValueError, match="target_tp"):
+        plan_placement(Config(target="t", mode="ar", extra={"target_tp": 0}), [0])
+
+
+def test_cli_target_tp_on_cpu(monkeypatch):
+    from ssd.launch.cli import config_kwargs, serve_parser
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    k = config_kwargs(serve_parser().parse_args(["--target", "llama-70b", "--target-tp", "2"]))
+    assert k["device"] == "cpu" and k["extra"]["target_tp"] == 2
+
+
+def test_tp_without_ray_is_an_error():
+    from ssd import LLM
+
+    with pytest.raises(ValueError, match="use_ray"):
+        LLM(target=random_model(), mode="ar", use_ray=False, extra={"target_tp": 2})
 
 
 # -- Ray ------------------------------------------------------------------------------------------
@@ -193,4 +247,6 @@ def test_ray_tp2_equals_tp1(ray_local):
     with LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True, extra=tp, **common) as llm:
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == ref
         assert [o.token_ids for o in llm.generate(prompts, sampled)] == ref_sampled
+        infos = [f.result() for f in llm._handles[0].call_all("info")]
+        assert [i["tp_disagreements"] for i in infos] == [0, 0]  # the ranks agreed without help
     assert os.getpid()  # the driver survived; actors are gone with the LLMs

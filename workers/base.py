@@ -72,10 +72,16 @@ class ModelWorker:
     ) -> None:
         set_threads(num_threads, cpu_cores)
         self.device = device
-        self.model, self.tokenizer = build_model(model, parse_dtype(dtype), device, quantization)
+        self.model, self.tokenizer = self.load_model(model, parse_dtype(dtype), device, quantization)
         self.config = self.model.config
         self.runner = ModelRunner(self.model, max_slots=max_slots, max_len=max_len, device=device)
         self.seqs: dict[int, SeqState] = {}
+
+    def load_model(
+        self, model: str | DecoderModel, dtype: torch.dtype, device: str, quantization: str | None
+    ) -> tuple[DecoderModel, object | None]:
+        """(model, tokenizer) this worker runs; a subclass may transform the model (tensor-parallel sharding)."""
+        return build_model(model, dtype, device, quantization)
 
     def info(self) -> dict:
         cfg = self.config

@@ -61,9 +61,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = model.embed_tokens.weight.dtype
         self.max_len = max_len
-        self.kv = KVCache(
-            cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, max_len, cfg.head_dim, self.dtype, device
-        )
+        # KV heads held here: the attention modules' count (a tensor-parallel rank holds only its share).
+        n_kv = model.layers[0].self_attn.n_kv if len(model.layers) else cfg.num_key_value_heads
+        self.kv = KVCache(cfg.num_hidden_layers, max_slots, n_kv, max_len, cfg.head_dim, self.dtype, device)
         self.regions: dict[int, TreeRegion] = {}
 
     # -- slot management -------------------------------------------------------------------

@@ -74,46 +74,58 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # quant.fuse_projections may replace q/k/v_proj by one layer (one matmul per step, not three).
+        self.qkv_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView) -> torch.Tensor:
         B, n, _ = x.shape  # x: [B, n, D]
-        q = self.q_proj(x).view(B, n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, n, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.transpose(1, 2)  # [B, H, n, hd]
-        k = k.transpose(1, 2)  # [B, Hkv, n, hd]
-        v = v.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        keys, values = kv.write_and_read(k, v)  # [B, Hkv, Lmax, hd]
-        if kv.rows is not None:
+        H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
+        # Heads stay in the [B, n, heads, hd] layout of the projections (RoPE is elementwise, so the
+        # layout changes no value); cos/sin [B, 1, n, hd] are viewed as [B, n, 1, hd].
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+        if self.qkv_proj is not None and self.q_norm is None:
+            qkv = self.qkv_proj(x)  # one matmul; q and k adjacent, so one RoPE for both
+            qk = qkv[..., : (H + Hkv) * hd].view(B, n, H + Hkv, hd)
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k = qk[:, :, :H], qk[:, :, H:]
+            v = qkv[..., (H + Hkv) * hd :].view(B, n, Hkv, hd)
+        else:
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split((H * hd, Hkv * hd, Hkv * hd), dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = q.view(B, n, H, hd), k.view(B, n, Hkv, hd), v.view(B, n, Hkv, hd)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        keys, values = kv.write_and_read(k.transpose(1, 2), v.transpose(1, 2))
+        if kv.rows is not None:  # keys/values: this layer's whole cache [S, Hkv, max_len, hd]
             return self.o_proj(self._attend_rows(q, keys, values, kv.rows))
-        gqa = self.n_heads != self.n_kv
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=kv.mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.n_heads * self.head_dim))
+        out = F.scaled_dot_product_attention(  # keys/values [B, Hkv, Lmax, hd]
+            q.transpose(1, 2), keys, values, attn_mask=kv.mask, enable_gqa=H != Hkv
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, H * hd))
 
     def _attend_rows(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: list[tuple[int, int, Any]]
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[tuple[int, int, int, Any]]
     ) -> torch.Tensor:
         """Attention one new token at a time, each over exactly the keys it may see, with no mask.
 
         A token's output then depends only on its own query and keys: the same call (same shapes,
         same strides) whether it is decoded alone or scored among K+1 tokens, so it gets the same
-        bits. The query heads sharing a KV head are the rows of one SDPA problem.
+        bits. The query heads sharing a KV head are the rows of one SDPA problem. q: [B, n, H, hd].
         """
-        B, H, n, hd = q.shape
-        q_tok = q.transpose(1, 2)  # [B, n, H, hd]
+        B, n, H, hd = q.shape
         out = q.new_zeros(B, n, H * hd) if len(rows) < B * n else q.new_empty(B, n, H * hd)
         group = H // self.n_kv
-        for b, i, sel in rows:
-            qr = q_tok[b, i].reshape(1, self.n_kv, group, hd)
-            if isinstance(sel, int):
-                kr, vr = keys[b : b + 1, :, :sel], values[b : b + 1, :, :sel]
-            else:
-                kr, vr = keys[b : b + 1, :, sel], values[b : b + 1, :, sel]
-            out[b, i] = F.scaled_dot_product_attention(qr, kr, vr).reshape(H * hd)
+        for b, i, slot, sel in rows:
+            qr = q[b, i].reshape(1, self.n_kv, group, hd)
+            if isinstance(sel, int):  # cache positions 0..sel-1 of the slot: a view, no copy
+                kr, vr = k_cache[slot : slot + 1, :, :sel], v_cache[slot : slot + 1, :, :sel]
+            else:  # tree: the prefix and this node's ancestors, gathered
+                kr, vr = k_cache[slot : slot + 1, :, sel], v_cache[slot : slot + 1, :, sel]
+            out[b, i] = F.scaled_dot_product_attention(qr, kr, vr).view(H * hd)
         return out
 
 
@@ -123,8 +135,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one layer (quant.fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -166,30 +182,44 @@ class KVView:
         self.read_len = read_len
         self.mask = mask
         self.layer = 0
-        # Set by plan_rows (DecoderModel.batch_invariant): per new token (b, i, keys), keys = L for
-        # cache positions 0..L-1 or a LongTensor of positions; attention then runs token by token.
-        self.rows: list[tuple[int, int, Any]] | None = None
+        # Set by plan_rows (DecoderModel.batch_invariant): per new token (b, i, cache slot, keys),
+        # keys = L for cache positions 0..L-1 or a LongTensor of positions; attention then runs
+        # token by token straight on the cache (write_and_read returns the layer's whole cache).
+        self.rows: list[tuple[int, int, int, Any]] | None = None
 
     def plan_rows(self) -> None:
         """Derive each valid new token's attended cache positions from the mask (once per forward)."""
         m = self.mask[:, 0]  # [B, n, L]
-        n, L = m.shape[1], m.shape[2]
+        B, n, L = m.shape
+        if isinstance(self.slot_index, slice):
+            slots = list(range(self.slot_index.start, self.slot_index.start + B))
+        else:
+            slots = self.slot_index.tolist()
+        if B == 1 and n == 1 and bool(m.all()):  # plain decode: attends the whole prefix
+            self.rows = [(0, 0, slots[0], L)]
+            return
         cnt = m.sum(-1)  # [B, n]
         prefix = (m == (torch.arange(L, device=m.device) < cnt[..., None])).all(-1)  # attends 0..cnt-1
         cnt_l, prefix_l = cnt.tolist(), prefix.tolist()
-        rows: list[tuple[int, int, Any]] = []
+        rows: list[tuple[int, int, int, Any]] = []
         for f in self.write_src.tolist():
             b, i = divmod(f, n)
-            rows.append((b, i, cnt_l[b][i] if prefix_l[b][i] else m[b, i].nonzero().squeeze(1)))
+            rows.append((b, i, slots[b], cnt_l[b][i] if prefix_l[b][i] else m[b, i].nonzero().squeeze(1)))
         self.rows = rows
 
     def write_and_read(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys/values [B, Hkv, n, hd]; return what to attend: [B, Hkv, Lmax, hd], or the
+        layer's whole cache [S, Hkv, max_len, hd] when `rows` is set (attention indexes it per token)."""
         B, Hkv, n, hd = k.shape
         kc, vc = self.k_cache[self.layer], self.v_cache[self.layer]  # [S, Hkv, max_len, hd]
-        k_flat = k.transpose(1, 2).reshape(B * n, Hkv, hd)[self.write_src]  # [T, Hkv, hd]
-        v_flat = v.transpose(1, 2).reshape(B * n, Hkv, hd)[self.write_src]
+        k_flat = k.transpose(1, 2).reshape(B * n, Hkv, hd)  # [B * n, Hkv, hd]
+        v_flat = v.transpose(1, 2).reshape(B * n, Hkv, hd)
+        if self.write_src.numel() != B * n:  # padding rows: keep the valid tokens only
+            k_flat, v_flat = k_flat[self.write_src], v_flat[self.write_src]  # [T, Hkv, hd]
         kc[self.write_slot, :, self.write_pos] = k_flat
         vc[self.write_slot, :, self.write_pos] = v_flat
+        if self.rows is not None:
+            return kc, vc
         if isinstance(self.slot_index, slice):
             keys = kc[self.slot_index, :, : self.read_len]  # a view, no copy
             values = vc[self.slot_index, :, : self.read_len]
@@ -219,7 +249,7 @@ class DecoderModel(nn.Module):
     # attention token by token (Attention._attend_rows), so scoring K+1 tokens in one pass gives
     # each token the bits it gets when decoded alone. Larger forwards (prefill) use one masked SDPA.
     batch_invariant = False
-    row_attention_max = 128
+    row_attention_max = 64  # > the largest verification block (k <= 32); prompts beyond it prefill faster
 
     def rope_tables(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables [>= length, hd] in `dtype`, grown in fixed chunks of positions.

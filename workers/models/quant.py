@@ -29,6 +29,7 @@ log = logging.getLogger("ssd.quant")
 
 QUANT_MODES = ("int8", "int4")
 INT4_GROUP = 32
+_ROWS = 512  # rows per block when quantising
 
 
 # -- int4 packing ---------------------------------------------------------------------------------
@@ -50,17 +51,19 @@ def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     cap = torch.backends.cpu.get_cpu_capability()
     flat = packed.reshape(-1)
     out = torch.empty(n, k, dtype=torch.uint8)
-    for n0 in range(0, n, bn):
-        nb = min(bn, n - n0)
-        blk = flat[n0 * k // 2 : (n0 + nb) * k // 2].view(k, nb // 2)  # [K, nb/2] bytes
+    full = n // bn * bn if cap.startswith(("AVX512", "AVX2")) else 0
+    if full:  # whole blocks of bn columns, all at once: [blocks, K, bn/2] bytes
+        blk = flat[: full * k // 2].view(full // bn, k, bn // 2)
         lo, hi = blk & 0x0F, blk >> 4
-        if nb == bn and cap.startswith("AVX512"):  # byte d: n=d | n=d+32 ; byte 16+d: n=d+16 | n=d+48
-            cols = torch.cat([lo[:, :16], lo[:, 16:], hi[:, :16], hi[:, 16:]], dim=1)
-        elif nb == bn and cap.startswith("AVX2"):  # byte d: n=d | n=d+16
-            cols = torch.cat([lo, hi], dim=1)
-        else:  # pairs: byte j: n=2j | n=2j+1
-            cols = torch.stack([lo, hi], dim=2).reshape(k, nb)
-        out[n0 : n0 + nb] = cols.T
+        if cap.startswith("AVX512"):  # byte d: n=d | n=d+32 ; byte 16+d: n=d+16 | n=d+48
+            cols = torch.cat([lo[..., :16], lo[..., 16:], hi[..., :16], hi[..., 16:]], dim=-1)
+        else:  # AVX2, byte d: n=d | n=d+16
+            cols = torch.cat([lo, hi], dim=-1)
+        out[:full] = cols.transpose(1, 2).reshape(full, k)
+    for n0 in range(full, n, bn):  # a partial last block (or no vector ISA): pairs, n=2j | n=2j+1
+        nb = min(bn, n - n0)
+        blk = flat[n0 * k // 2 : (n0 + nb) * k // 2].view(k, nb // 2)
+        out[n0 : n0 + nb] = torch.stack([blk & 0x0F, blk >> 4], dim=2).reshape(k, nb).T
     return out
 
 
@@ -107,10 +110,16 @@ class Int8Linear(_QuantLinear):
     ) -> Int8Linear:
         """Round-to-nearest, symmetric, one scale per output row (absmax / 127)."""
         dtype = dtype or weight.dtype
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).to(dtype)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows
-        q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        weight = weight.detach()
+        n = weight.shape[0]
+        q = torch.empty(weight.shape, dtype=torch.int8)
+        scale = torch.empty(n, dtype=dtype)
+        for r in range(0, n, _ROWS):  # row blocks: fp32 temporaries stay in cache
+            w = weight[r : r + _ROWS].to(torch.float32, copy=True)
+            s = (torch.maximum(w.amax(dim=1), -w.amin(dim=1)) / 127.0).to(dtype)
+            s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero rows
+            q[r : r + _ROWS] = w.div_(s.float()[:, None]).round_().clamp_(-127, 127)
+            scale[r : r + _ROWS] = s
         return cls(q, scale, None if bias is None else bias.detach())
 
     def dequantize(self) -> torch.Tensor:
@@ -178,16 +187,21 @@ class Int4Linear(_QuantLinear):
         Codes are chosen against the scale and zero as stored (rounded to `dtype`).
         """
         dtype = dtype or weight.dtype
-        w = weight.detach().float()
-        n, k = w.shape
-        g = w.view(n, k // group_size, group_size)
-        mn, mx = g.amin(dim=-1), g.amax(dim=-1)
-        scale = ((mx - mn) / 15.0).to(dtype)
-        scale = torch.where(scale > 0, scale, torch.full_like(scale, 1e-6))  # constant groups
-        zero = (mn + 8.0 * scale.float()).to(dtype)
-        q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None] + 8.0).clamp_(0, 15)
-        sz = torch.stack([scale.T, zero.T], dim=-1).contiguous()
-        return cls(pack_int4(q.view(n, k)), sz, None if bias is None else bias.detach(), k, group_size)
+        weight = weight.detach()
+        n, k = weight.shape
+        codes = torch.empty(n, k, dtype=torch.int32)
+        sz = torch.empty(k // group_size, n, 2, dtype=dtype)
+        for r in range(0, n, _ROWS):  # row blocks: fp32 temporaries stay in cache
+            g = weight[r : r + _ROWS].to(torch.float32, copy=True).view(-1, k // group_size, group_size)
+            mn, mx = g.amin(dim=-1), g.amax(dim=-1)
+            scale = ((mx - mn) / 15.0).to(dtype)
+            scale = torch.where(scale > 0, scale, torch.full_like(scale, 1e-6))  # constant groups
+            zero = (mn + 8.0 * scale.float()).to(dtype)
+            g.sub_(zero.float()[..., None]).div_(scale.float()[..., None]).add_(8.0).round_().clamp_(0, 15)
+            codes[r : r + _ROWS] = g.view(-1, k)
+            sz[:, r : r + _ROWS, 0] = scale.T
+            sz[:, r : r + _ROWS, 1] = zero.T
+        return cls(pack_int4(codes), sz, None if bias is None else bias.detach(), k, group_size)
 
     def codes(self) -> torch.Tensor:
         return unpack_int4(self.qweight, self.out_features, self.in_features)
@@ -270,6 +284,7 @@ def quantize_model(
     head: str | None = "int8",
     overrides: dict[str, str] | None = None,
     affine_int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    fuse: bool = True,
 ) -> nn.Module:
     """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear (round to nearest).
 
@@ -278,7 +293,8 @@ def quantize_model(
     weights and the single largest matmul of a decode step; None keeps it floating point, which
     also gives up batch invariance). `overrides`: {module name: mode} for particular layers.
     `affine_int4`: {module name: (codes [N, K] 0..15, scale, offset [N, K/32])} used as they are
-    (w = scale * q + offset, e.g. GGUF Q4_K) instead of rounding the float weights.
+    (w = scale * q + offset, e.g. GGUF Q4_K) instead of rounding the float weights. `fuse`: merge
+    q/k/v and gate/up into one layer each where they end up the same kind (fuse_projections).
     Sets `model.batch_invariant` when every linear ends up quantised. Per-layer relative Frobenius
     errors are logged at DEBUG. On CUDA, when this torch lacks a kernel the model stays in floating
     point, with a warning.
@@ -336,10 +352,58 @@ def quantize_model(
         q = q.to(device)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
+    if fuse:
+        fuse_projections(model)
     if hasattr(model, "batch_invariant"):
         model.batch_invariant = all_quantised
     model.quantization = mode
     return model
+
+
+def _concat(mods: list[_QuantLinear]) -> _QuantLinear | None:
+    """One layer computing the given layers' outputs side by side (same input), or None if they differ in kind."""
+    first = mods[0]
+    same = all(type(m) is type(first) and m.in_features == first.in_features for m in mods)
+    if isinstance(first, Int4Linear):
+        same = same and all(m.group_size == first.group_size for m in mods)  # type: ignore[attr-defined]
+    if not same:
+        return None
+    dtype = (first.scales if isinstance(first, Int8Linear) else first.scales_and_zeros).dtype
+    bias = None
+    if any(m.bias is not None for m in mods):
+        bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=dtype) for m in mods])
+    if isinstance(first, Int8Linear):
+        return Int8Linear(torch.cat([m.qweight for m in mods]), torch.cat([m.scales for m in mods]), bias)
+    assert isinstance(first, Int4Linear)
+    bn = _int4_block_n()
+    if all(m.out_features % bn == 0 for m in mods):  # packed rows are whole column blocks: concatenate
+        packed = torch.cat([m.qweight for m in mods])
+    else:
+        packed = pack_int4(torch.cat([m.codes() for m in mods]))
+    sz = torch.cat([m.scales_and_zeros for m in mods], dim=1)
+    return Int4Linear(packed, sz, bias, first.in_features, first.group_size)
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Replace q/k/v_proj by `qkv_proj` and gate/up_proj by `gate_up_proj` where they are quantised alike.
+
+    Fewer, larger matmuls per decode step (3 + 2 -> 1 + 1 per layer); every output column is
+    computed exactly as before, so batch invariance is unaffected. Returns the number of fusions.
+    """
+    fused = 0
+    for mod in model.modules():
+        for names, attr in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            parts = [getattr(mod, nm, None) for nm in names]
+            if not hasattr(mod, attr) or not all(isinstance(p, _QuantLinear) for p in parts):
+                continue
+            one = _concat(parts)  # type: ignore[arg-type]
+            if one is None:
+                continue
+            setattr(mod, attr, one)
+            for nm in names:
+                setattr(mod, nm, None)
+            fused += 1
+    return fused
 
 
 @contextlib.contextmanager
