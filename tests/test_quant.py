@@ -84,7 +84,7 @@ def check_q4k_mapping(blocks: np.ndarray, n: int, k: int) -> None:
     want = torch.from_numpy(
         gguf.quants.dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType.Q4_K).reshape(n, k).copy()
     )
-    codes, scale, offset = q4k_to_affine(torch.from_numpy(blocks), n, k)
+    codes, scale, offset = q4k_to_affine(torch.from_numpy(np.array(blocks)), n, k)  # a writable copy
     # fp32 scale/zero: exact up to fp32 rounding of zero = 8 * scale + offset and of the final fma.
     lin32 = Int4Linear.from_affine(codes, scale, offset, None, torch.float32)
     assert torch.equal(lin32.codes(), codes)

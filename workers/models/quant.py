@@ -371,7 +371,10 @@ def _concat(mods: list[_QuantLinear]) -> _QuantLinear | None:
     dtype = (first.scales if isinstance(first, Int8Linear) else first.scales_and_zeros).dtype
     bias = None
     if any(m.bias is not None for m in mods):
-        bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=dtype) for m in mods])
+        dev = first.qweight.device
+        bias = torch.cat([
+            m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=dtype, device=dev) for m in mods
+        ])
     if isinstance(first, Int8Linear):
         return Int8Linear(torch.cat([m.qweight for m in mods]), torch.cat([m.scales for m in mods]), bias)
     assert isinstance(first, Int4Linear)
