@@ -1,25 +1,9 @@
 """SSD (Saguaro): greedy equality with AR for every backup, hits, tau, fan-out, outcome cache."""
 
 import pytest
-from tiny_models import random_model
+from tiny_models import GREEDY, PROMPTS
 
 from ssd import LLM, SamplingParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-PROMPTS = [[1, 2, 3, 4], [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6], [20]]
-
-
-@pytest.fixture(scope="module")
-def models():
-    target = random_model(vocab=40, layers=2, seed=3, scale=2.0)
-    draft = random_model(vocab=40, layers=1, seed=4, scale=2.0)
-    return target, draft
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(models):
-    with LLM(target=models[0], mode="ar", dtype="float32", max_batch=4, max_len=128) as llm:
-        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
 @pytest.mark.parametrize("backup", ["neural", "ngram", "random", "auto"])

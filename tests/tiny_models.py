@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from ssd.sampling_params import SamplingParams
 from ssd.workers.models.config import ModelConfig
 from ssd.workers.models.decoder import DecoderModel
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4], [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6], [20]]
 
 
 def hf_config(arch: str, vocab: int = 64, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2):
