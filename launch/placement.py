@@ -111,8 +111,19 @@ def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
         t_cores, d_cores = cfg.target_cores or cores, cfg.draft_cores
     # Two actors on one core: reserve half a CPU each so both fit.
     share = has_draft and not remote_draft and len(cores) == 1 and not (cfg.target_cores or cfg.draft_cores)
+    # Explicitly overlapping cores (e.g. SD with both actors on all cores; they take turns): split the
+    # reservation so the pair never asks Ray for more CPUs than the cores they share.
+    overlap = has_draft and not remote_draft and d_cores is not None and bool(set(t_cores) & set(d_cores))
+
+    def reserve(n_cores: int) -> float:
+        if share:
+            return 0.5
+        if overlap:
+            return n_cores / 2 if n_cores < 2 else float(n_cores // 2)
+        return n_cores
+
     target = ActorPlan(
-        "target", num_cpus=0.5 if share else len(t_cores),
+        "target", num_cpus=reserve(len(t_cores)),
         num_threads=cfg.target_threads or len(t_cores),
         cpu_cores=t_cores if (pin or cfg.target_cores) else None,
     )
@@ -125,7 +136,7 @@ def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
         else:
             assert d_cores is not None
             draft = ActorPlan(
-                "draft", num_cpus=0.5 if share else len(d_cores),
+                "draft", num_cpus=reserve(len(d_cores)),
                 num_threads=cfg.draft_threads or len(d_cores),
                 cpu_cores=d_cores if (pin or cfg.draft_cores) else None,
             )
