@@ -229,11 +229,17 @@ class RayHandle:
     def shutdown(self) -> None:
         self._closed = True
         self._kill()
-        if self._pg is not None:
-            from ray.util.placement_group import remove_placement_group
+        remove_placement_group_quietly(self._pg)
+        self._pg = None
 
-            try:
-                remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001 - cluster already gone
-                pass
-            self._pg = None
+
+def remove_placement_group_quietly(pg: object | None) -> None:
+    """Release a placement group; a cluster that is already gone is not an error at shutdown."""
+    if pg is None:
+        return
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - cluster already gone
+        pass

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 
 from ssd.handles import WorkerDied
-from ssd.launch.actors import RayFuture, RayHandle
+from ssd.launch.actors import RayFuture, RayHandle, remove_placement_group_quietly
 from ssd.workers.tp_worker import TPTargetWorker
 
 
@@ -101,14 +101,8 @@ class TPHandle:
     def shutdown(self) -> None:
         for h in self.ranks:
             h.shutdown()
-        if self._pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            try:
-                remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001 - cluster already gone
-                pass
-            self._pg = None
+        remove_placement_group_quietly(self._pg)
+        self._pg = None
 
 
 def start_tp_target(
