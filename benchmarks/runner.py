@@ -4,7 +4,8 @@ For qwen-coder-1.5b and qwen-coder-0.5b it measures, side by side in one process
   * AR decode: per-token latency (median over steps) and tokens/s, batch 1, after a ~200-token prompt;
   * scoring n = 1, 2, 4, 8, 16 new tokens in one forward over a ~200-token cache (what verifying
     K = n - 1 drafted tokens costs), and the ratio t(8) / t(1);
-for quantization None (bf16 weights), "int8" and "int4" (workers/models/quant.py), next to
+for quantization None (bf16 weights), "int8" and "int4" (weight-only, workers/models/quant.py) and
+"w4a8" / "w8a8" (int8 activations, AVX2 kernel: workers/models/blockquant.py), next to
 transformers' own model code in bf16 over the very same tensors (workers/models/hf_export.py).
 `--llama-cpp PATH` adds llama-bench (PATH = the llama-bench binary) on the same GGUF files.
 
@@ -116,7 +117,7 @@ def build_variants(alias: str, modes: list[str], with_hf: bool) -> list:
     if with_hf:
         variants.append(HFVariant(base))
     for mode in modes:
-        if mode in ("int8", "int4"):
+        if mode in ("int8", "int4", "w4a8", "w8a8"):
             m = load_model(alias, dtype=torch.bfloat16, quantization=mode, progress=False).model
             variants.append(OurVariant(m, mode))
         elif mode == "int4-all":  # every linear, lm_head included, int4 round-to-nearest from the bf16 weights
@@ -187,7 +188,7 @@ def fmt_row(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--modes", default="bf16,int8,int4", help="of bf16, int8, int4, int4-all")
+    ap.add_argument("--modes", default="bf16,int8,int4,w4a8", help="of bf16, int8, int4, int4-all, w4a8, w8a8")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=7, help="rounds; each scores every n once per variant")
     ap.add_argument("--decode-tokens", type=int, default=42, help="decode steps per variant, over all rounds")

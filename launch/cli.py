@@ -88,7 +88,8 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--address", help="join an existing Ray cluster at this address")
     g.add_argument("--ray", action=argparse.BooleanOptionalAction, default=None,
                    help="run the workers as Ray actors (default: the engine's choice for the mode)")
-    g.add_argument("--quantization", choices=("int8", "int4"), help="weight-only quantised linears (CPU)")
+    g.add_argument("--quantization", choices=("int8", "int4", "w4a8", "w8a8"),
+                   help="int8/int4: weight-only linears; w4a8/w8a8: + int8 activations (AVX2 kernel, fastest on CPU)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--log-json", action="store_true", help="log one JSON object per line")
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ssd.workers.models.quant import QUANT_MODES
+
 MODES = ("ar", "sd", "ngram", "ssd", "auto")
 BACKUPS = ("auto", "neural", "ngram", "random")
-QUANTIZATIONS = (None, "int8", "int4")
+QUANTIZATIONS = (None, *QUANT_MODES)
 
 
 @dataclass
@@ -18,7 +20,7 @@ class Config:
     device: str = "cpu"
     draft_device: str | None = None
     dtype: str = "bfloat16"
-    quantization: str | None = None  # None, "int8" or "int4": weight-only quantised linears (CPU)
+    quantization: str | None = None  # None, "int8"/"int4" (weight-only) or "w4a8"/"w8a8" (int8 activations, CPU)
     k: int | None = None  # draft length; None = chosen from measured latencies
     fanout: int | list[int] | None = None  # SSD budget B (int) or explicit F_0..F_K
     fanout_kind: str = "geometric"  # or "uniform"
@@ -53,4 +55,4 @@ class Config:
         if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):
             raise ValueError(f"unsupported dtype {self.dtype!r}; use bfloat16 or float32")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {self.quantization!r}; use None, 'int8' or 'int4'")
+            raise ValueError(f"unknown quantization {self.quantization!r}; use None or one of {', '.join(QUANT_MODES)}")

@@ -20,7 +20,7 @@ from ssd import LLM, SamplingParams
 from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.quant import quantize_model, reference_mode
 
-MODES = ["int8", "int4"]
+MODES = ["int8", "int4", "w4a8", "w8a8"]
 
 
 def tiny(mode, dtype=torch.bfloat16, seed=3, vocab=512, layers=2, scale=1.0):

@@ -33,7 +33,7 @@ def step_allocations(runner, slots, toks):
     return nxt, allocs, net
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w4a8", "w8a8"])
 @pytest.mark.parametrize("slots", [[0], [1, 0]], ids=["one_seq", "two_seqs_reversed_slots"])
 def test_decode_step_steady_state(mode, slots):
     model = quantize_model(

@@ -1,4 +1,7 @@
-"""Quantised loading: `load_model(..., quantization="int8" | "int4")`.
+"""Quantised loading: `load_model(..., quantization="int8" | "int4" | "w4a8" | "w8a8")`.
+
+"w4a8" / "w8a8" follow the "int4" / "int8" rules below with the block-quantised layers of
+blockquant.py (int8 activations): Q4_K codes -> W4A8Linear, everything else -> W8A8Linear.
 
 * "int8": every linear layer (lm_head included) becomes Int8Linear, rounded to nearest from the
   floating-point weights the loader produced.
@@ -115,14 +118,15 @@ def quantize_loaded(
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization {mode!r}; use None or one of {', '.join(QUANT_MODES)}")
     path = Path(path)
-    if mode != "int4" or path.suffix != ".gguf" or model.embed_tokens.weight.device.type != "cpu":
+    if mode not in ("int4", "w4a8") or path.suffix != ".gguf" or model.embed_tokens.weight.device.type != "cpu":
         return quantize_model(model, mode)
     names = _linear_names(model)
     q4k, types = load_q4k(path, model.config, names, cache_dir)
     affine: dict[str, Any] = {n: v for n, v in q4k.items() if n != "lm_head"}
-    overrides = {n: "int8" for n in names if n not in affine}  # more than 4 bits in the file: keep 8
+    eight = "int8" if mode == "int4" else "w8a8"
+    overrides = {n: eight for n in names if n not in affine}  # more than 4 bits in the file: keep 8
     log.info(
-        "%s: int4 from Q4_K for %d linear layers, int8 for %d (%s)", path.name, len(affine), len(overrides),
-        ", ".join(sorted({types.get(n, "?") for n in overrides})),
+        "%s: %s from Q4_K for %d linear layers, %s for %d (%s)", path.name, mode, len(affine), eight,
+        len(overrides), ", ".join(sorted({types.get(n, "?") for n in overrides})),
     )
-    return quantize_model(model, "int4", affine_int4=affine, overrides=overrides)
+    return quantize_model(model, mode, affine_int4=affine, overrides=overrides)

@@ -19,6 +19,7 @@ from ssd.workers.loader.hf import load_hf_dir
 from ssd.workers.loader.tokenizer import Tokenizer
 from ssd.workers.models.config import ModelConfig
 from ssd.workers.models.decoder import DecoderModel
+from ssd.workers.models.quant import QUANT_MODES
 
 # Aliases served from the local Hugging Face cache: alias -> Hub repo id.
 HF_ALIASES: dict[str, str] = {
@@ -171,12 +172,13 @@ def load_model(
 ) -> LoadedModel:
     """Load an alias, a Hugging Face model directory or a .gguf file; see the module docstring.
 
-    quantization: None, "int8" or "int4": weight-only quantised linear layers (see gguf_quant.py).
+    quantization: None, "int8" / "int4" (weight-only) or "w4a8" / "w8a8" (int8 activations): quantised
+    linear layers (see gguf_quant.py).
     """
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
-    if quantization not in (None, "int8", "int4"):
-        raise ValueError(f"unknown quantization {quantization!r}; use None, 'int8' or 'int4'")
+    if quantization is not None and quantization not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {quantization!r}; use None or one of {', '.join(QUANT_MODES)}")
     path = Path(resolve_alias(spec, cache_dir))
     if path.is_dir():
         cfg, model, tok = load_hf_dir(path, dtype=dtype, device=device, progress=progress)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ssd.kernels import cpu as cpu_kernels
 from ssd.workers.models.config import ModelConfig
 
 
@@ -101,22 +102,33 @@ class Attention(nn.Module):
             k = k * cos + rotate_half(k) * sin
         keys, values = kv.write_and_read(k.transpose(1, 2), v.transpose(1, 2))
         if kv.rows is not None:  # keys/values: this layer's whole cache [S, Hkv, max_len, hd]
-            return self.o_proj(self._attend_rows(q, keys, values, kv.rows))
+            return self.o_proj(self._attend_rows(q, keys, values, kv.rows, kv.row_plan))
         out = F.scaled_dot_product_attention(  # keys/values [B, Hkv, Lmax, hd]
             q.transpose(1, 2), keys, values, attn_mask=kv.mask, enable_gqa=H != Hkv
         )
         return self.o_proj(out.transpose(1, 2).reshape(B, n, H * hd))
 
     def _attend_rows(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[tuple[int, int, int, Any]]
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[tuple[int, int, int, Any]],
+        plan: cpu_kernels.RowPlan | None = None,
     ) -> torch.Tensor:
         """Attention one new token at a time, each over exactly the keys it may see, with no mask.
 
         A token's output then depends only on its own query and keys: the same call (same shapes,
         same strides) whether it is decoded alone or scored among K+1 tokens, so it gets the same
         bits. The query heads sharing a KV head are the rows of one SDPA problem. q: [B, n, H, hd].
+        With `plan` (CPU, bf16/fp32, kernel built) every token goes through `ssd.kernels.cpu.attend_rows`
+        in one call instead: the same per-token independence, far less per-call overhead.
         """
         B, n, H, hd = q.shape
+        if plan is not None:  # the C kernel: all tokens in one call, same per-token math
+            q_rows = q.reshape(B * n, H, hd)
+            if len(rows) == B * n:
+                return cpu_kernels.attend_rows(q_rows, k_cache, v_cache, plan).view(B, n, H * hd)
+            src = torch.tensor([b * n + i for b, i, _, _ in rows])
+            out = q.new_zeros(B * n, H * hd)
+            out[src] = cpu_kernels.attend_rows(q_rows[src], k_cache, v_cache, plan).view(len(rows), H * hd)
+            return out.view(B, n, H * hd)
         out = q.new_zeros(B, n, H * hd) if len(rows) < B * n else q.new_empty(B, n, H * hd)
         group = H // self.n_kv
         for b, i, slot, sel in rows:
@@ -186,6 +198,7 @@ class KVView:
         # keys = L for cache positions 0..L-1 or a LongTensor of positions; attention then runs
         # token by token straight on the cache (write_and_read returns the layer's whole cache).
         self.rows: list[tuple[int, int, int, Any]] | None = None
+        self.row_plan: cpu_kernels.RowPlan | None = None  # `rows` for the C attention kernel, when usable
 
     def plan_rows(self) -> None:
         """Derive each valid new token's attended cache positions from the mask (once per forward)."""
@@ -196,7 +209,7 @@ class KVView:
         else:
             slots = self.slot_index.tolist()
         if B == 1 and n == 1 and bool(m.all()):  # plain decode: attends the whole prefix
-            self.rows = [(0, 0, slots[0], L)]
+            self._set_rows([(0, 0, slots[0], L)])
             return
         cnt = m.sum(-1)  # [B, n]
         prefix = (m == (torch.arange(L, device=m.device) < cnt[..., None])).all(-1)  # attends 0..cnt-1
@@ -205,7 +218,13 @@ class KVView:
         for f in self.write_src.tolist():
             b, i = divmod(f, n)
             rows.append((b, i, slots[b], cnt_l[b][i] if prefix_l[b][i] else m[b, i].nonzero().squeeze(1)))
+        self._set_rows(rows)
+
+    def _set_rows(self, rows: list[tuple[int, int, int, Any]]) -> None:
         self.rows = rows
+        kc = self.k_cache
+        if kc.device.type == "cpu" and kc.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available():
+            self.row_plan = cpu_kernels.RowPlan.from_rows(rows)
 
     def write_and_read(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values [B, Hkv, n, hd]; return what to attend: [B, Hkv, Lmax, hd], or the

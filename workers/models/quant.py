@@ -27,7 +27,9 @@ from torch import nn
 
 log = logging.getLogger("ssd.quant")
 
-QUANT_MODES = ("int8", "int4")
+QUANT_MODES = ("int8", "int4", "w4a8", "w8a8")
+BLOCK_MODES = ("w4a8", "w8a8")  # int8 activations, ssd.kernels.cpu (see blockquant.py)
+DEFAULT_HEAD = {"int8": "int8", "int4": "int8", "w4a8": "w8a8", "w8a8": "w8a8"}
 INT4_GROUP = 32
 _ROWS = 512  # rows per block when quantising
 
@@ -271,6 +273,13 @@ def cuda_kernel_available(mode: str) -> bool:
 def make_quant_linear(
     mode: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> _QuantLinear:
+    """Round-to-nearest layer of kind `mode`; shapes a kernel cannot take become Int8Linear."""
+    if mode in BLOCK_MODES:
+        from ssd.workers.models.blockquant import W4A8Linear, W8A8Linear, require_kernel
+
+        require_kernel()
+        if weight.shape[1] % W4A8Linear.block == 0:
+            return (W4A8Linear if mode == "w4a8" else W8A8Linear).from_float(weight, bias, dtype)
     if mode == "int4" and Int4Linear.supports(*weight.shape):
         return Int4Linear.from_float(weight, bias, dtype)
     return Int8Linear.from_float(weight, bias, dtype)  # int8, or int4 shapes the kernel cannot take
@@ -281,17 +290,19 @@ def quantize_model(
     mode: str | None,
     *,
     skip: tuple[str, ...] = (),
-    head: str | None = "int8",
+    head: str | None = "default",
     overrides: dict[str, str] | None = None,
     affine_int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     fuse: bool = True,
 ) -> nn.Module:
     """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear (round to nearest).
 
-    mode: None (no-op), "int8" or "int4". `skip`: module-name suffixes left in floating point.
-    `head`: how to quantise `lm_head` ("int8" by default: it is a quarter of the 0.5B model's
-    weights and the single largest matmul of a decode step; None keeps it floating point, which
-    also gives up batch invariance). `overrides`: {module name: mode} for particular layers.
+    mode: None (no-op), "int8", "int4" (weight-only, torch kernels), "w4a8" or "w8a8" (int8
+    activations, blockquant.py). `skip`: module-name suffixes left in floating point.
+    `head`: how to quantise `lm_head` ("default": int8 for the weight-only modes, w8a8 for the
+    block modes; the head is a quarter of the 0.5B model's weights and the single largest matmul
+    of a decode step, so it keeps 8 bits; None keeps it floating point, which also gives up batch
+    invariance). `overrides`: {module name: mode} for particular layers.
     `affine_int4`: {module name: (codes [N, K] 0..15, scale, offset [N, K/32])} used as they are
     (w = scale * q + offset, e.g. GGUF Q4_K) instead of rounding the float weights. `fuse`: merge
     q/k/v and gate/up into one layer each where they end up the same kind (fuse_projections).
@@ -304,6 +315,8 @@ def quantize_model(
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization {mode!r}; use None or one of {', '.join(QUANT_MODES)}")
     overrides, affine_int4 = overrides or {}, affine_int4 or {}
+    if head == "default":
+        head = DEFAULT_HEAD[mode]
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not linears:
         return model
@@ -328,6 +341,8 @@ def quantize_model(
             return model
     elif device.type != "cpu":
         raise ValueError(f"quantization runs on cpu (or cuda where kernels exist), not on {device}")
+    if device.type != "cpu" and mode in BLOCK_MODES:
+        raise ValueError(f"quantization={mode!r} runs on CPU only (AVX2 kernel); use int8/int4 on {device}")
 
     debug = log.isEnabledFor(logging.DEBUG)
     all_quantised = True
@@ -339,11 +354,16 @@ def quantize_model(
         if lmode not in QUANT_MODES:
             raise ValueError(f"unknown quantization {lmode!r} for layer {name}")
         weight = lin.weight.detach().to("cpu")
-        if lmode == "int4" and name in affine_int4:
+        if lmode in ("int4", "w4a8") and name in affine_int4:
             codes, scale, offset = affine_int4[name]
             if tuple(codes.shape) != tuple(weight.shape):
                 raise ValueError(f"{name}: int4 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
-            q: _QuantLinear = Int4Linear.from_affine(codes, scale, offset, lin.bias, dtype)
+            if lmode == "int4":
+                q: _QuantLinear = Int4Linear.from_affine(codes, scale, offset, lin.bias, dtype)
+            else:
+                from ssd.workers.models.blockquant import W4A8Linear
+
+                q = W4A8Linear.from_affine(codes, scale, offset, lin.bias, dtype)
         else:
             q = make_quant_linear(lmode, weight, lin.bias, dtype)
         if debug:
@@ -363,6 +383,10 @@ def quantize_model(
 def _concat(mods: list[_QuantLinear]) -> _QuantLinear | None:
     """One layer computing the given layers' outputs side by side (same input), or None if they differ in kind."""
     first = mods[0]
+    from ssd.workers.models.blockquant import _BlockLinear, concat_block_linears
+
+    if isinstance(first, _BlockLinear):
+        return concat_block_linears(mods)  # type: ignore[arg-type]
     same = all(type(m) is type(first) and m.in_features == first.in_features for m in mods)
     if isinstance(first, Int4Linear):
         same = same and all(m.group_size == first.group_size for m in mods)  # type: ignore[attr-defined]

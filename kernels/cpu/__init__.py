@@ -1,0 +1,238 @@
+"""CPU kernels (``qgemm.cpp``, AVX2): block-quantised GEMM (int4 / int8 weights x int8 activations,
+per block of 32) and token-by-token attention over the KV cache for the batch-invariant path.
+
+The C++ source is compiled on first use with the system ``g++`` into the ssd cache directory
+(``$SSD_CACHE_DIR`` or ``~/.cache/ssd``, keyed by a hash of source and flags) and loaded with
+ctypes. ``available()`` says whether that works here; ``unavailable_reason()`` says why not
+(no AVX2/FMA/F16C, no compiler). Nothing falls back silently: the layers that use these kernels
+raise with that reason (see ``ssd.workers.models.blockquant``).
+
+``ref_quantize_rows`` is the plain torch reference of the activation quantisation; the kernels
+produce bit-identical ``xq``/``dx``/``sx`` and (up to fp32 summation order) the same products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "QK", "RowPlan", "attend_rows", "available", "gemm_q4", "gemm_q8", "quantize_rows", "ref_attend_rows",
+    "ref_quantize_rows", "unavailable_reason",
+]
+
+QK = 32  # weights and activations are quantised in blocks of 32 along K
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def source_path() -> Path:
+    return Path(__file__).with_name("qgemm.cpp")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    cap = torch.backends.cpu.get_cpu_capability()
+    return {"avx2", "fma", "f16c"} if cap.startswith(("AVX2", "AVX512")) else set()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SSD_CACHE_DIR") or Path.home() / ".cache" / "ssd") / "kernels"
+
+
+def _build() -> Path:
+    src = source_path().read_bytes()
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH to build the block-quantised CPU kernel")
+    tag = hashlib.sha256(src + " ".join((cxx, *_FLAGS)).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"qgemm-{tag}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    proc = subprocess.run([cxx, *_FLAGS, "-o", tmp, str(source_path())], capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building {source_path().name} failed:\n{proc.stderr[-2000:]}")
+    os.replace(tmp, out)  # atomic: concurrent builders (Ray workers) never load a half-written file
+    return out
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | str:
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    try:
+        lib = ctypes.CDLL(str(_build()))  # torch (imported above) already loaded libgomp.so.1: one OpenMP pool
+    except (RuntimeError, OSError) as e:
+        return str(e)
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.ssd_quantize_rows.argtypes = [p, i, i, i, p, p, p]
+    lib.ssd_gemm_q4.argtypes = [p, p, p, p, p, p, i, i, i, p, i, i]
+    lib.ssd_gemm_q8.argtypes = [p, p, p, p, i, i, i, p, i, i]
+    lib.ssd_attend_rows.argtypes = [p, ctypes.c_int64, p, p, p, i, i, i, i, i, i, p, p, p, p, i]
+    for f in (lib.ssd_quantize_rows, lib.ssd_gemm_q4, lib.ssd_gemm_q8, lib.ssd_attend_rows):
+        f.restype = None
+    lib.ssd_qgemm_max_blocks.restype = i
+    return lib
+
+
+def available() -> bool:
+    return not isinstance(_lib(), str)
+
+
+def unavailable_reason() -> str | None:
+    lib = _lib()
+    return lib if isinstance(lib, str) else None
+
+
+def _require() -> ctypes.CDLL:
+    lib = _lib()
+    if isinstance(lib, str):
+        raise RuntimeError(f"block-quantised CPU kernel unavailable: {lib}")
+    return lib
+
+
+def check_shape(k: int) -> None:
+    if k % QK:
+        raise ValueError(f"in_features {k} is not a multiple of {QK}")
+    if k // QK > _require().ssd_qgemm_max_blocks():
+        raise ValueError(f"in_features {k} too large for the block-quantised kernel")
+
+
+def _check_x(x: Tensor, k: int) -> None:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
+        raise ValueError(f"expected a 2-d fp32/bf16 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x.shape[1] != k or not x.is_contiguous():
+        raise ValueError(f"expected a contiguous [M, {k}] tensor, got {tuple(x.shape)}")
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x [M, K] fp32/bf16 -> (xq int8 [M, K], dx fp32 [M, K/32], sx = dx * sum(xq) fp32 [M, K/32])."""
+    m, k = x.shape
+    _check_x(x, k)
+    check_shape(k)
+    xq = torch.empty(m, k, dtype=torch.int8)
+    dx = torch.empty(m, k // QK, dtype=torch.float32)
+    sx = torch.empty(m, k // QK, dtype=torch.float32)
+    _require().ssd_quantize_rows(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, xq.data_ptr(), dx.data_ptr(), sx.data_ptr()
+    )
+    return xq, dx, sx
+
+
+def ref_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference for `quantize_rows`: per block of 32, dx = absmax / 127, xq = round(x * (1 / dx))."""
+    m, k = x.shape
+    x32 = x.float().view(m, k // QK, QK)
+    dx = x32.abs().amax(dim=-1) / 127.0  # [M, K/32]
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    xq = (x32 * inv[..., None]).round()  # round half to even, like the kernel's vroundps
+    sx = dx * xq.sum(dim=-1)
+    return xq.to(torch.int8).view(m, k), dx, sx
+
+
+def gemm_q4(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
+    """x [M, K] @ W^T with W[n, 32b + j] = scale[n, b] * q + offset[n, b] (q4 packed [N, K/2]); y [M, N], x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    xq, dx, sx = quantize_rows(x)
+    y = torch.empty(m, n, dtype=x.dtype)
+    _require().ssd_gemm_q4(
+        qweight.data_ptr(), scale.data_ptr(), offset.data_ptr(), xq.data_ptr(), dx.data_ptr(), sx.data_ptr(),
+        m, n, k, y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+    )
+    return y
+
+
+def gemm_q8(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
+    """x [M, K] @ W^T with W[n, 32b + j] = scale[n, b] * q (q int8 [N, K]); y [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    xq, dx, _ = quantize_rows(x)
+    y = torch.empty(m, n, dtype=x.dtype)
+    _require().ssd_gemm_q8(
+        qweight.data_ptr(), scale.data_ptr(), xq.data_ptr(), dx.data_ptr(),
+        m, n, k, y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+    )
+    return y
+
+
+@dataclass
+class RowPlan:
+    """Which cache positions each new token attends (built once per forward, used by every layer).
+
+    slot, length: int32 [R]; off: int64 [R], -1 = positions 0..length-1, else idx[off:off+length].
+    """
+
+    slot: Tensor
+    length: Tensor
+    off: Tensor
+    idx: Tensor
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[int, int, int, Any]]) -> RowPlan:
+        """rows: (b, i, cache slot, keys) with keys = L (positions 0..L-1) or a LongTensor of positions."""
+        slot, length, off, parts, at = [], [], [], [], 0
+        for _, _, s, sel in rows:
+            slot.append(s)
+            if isinstance(sel, int):
+                length.append(sel)
+                off.append(-1)
+            else:
+                length.append(int(sel.numel()))
+                off.append(at)
+                parts.append(sel.to(torch.int64))
+                at += int(sel.numel())
+        idx = torch.cat(parts) if parts else torch.zeros(1, dtype=torch.int64)
+        return cls(torch.tensor(slot, dtype=torch.int32), torch.tensor(length, dtype=torch.int32),
+                   torch.tensor(off, dtype=torch.int64), idx.contiguous())
+
+
+def attend_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: RowPlan) -> Tensor:
+    """q [R, H, hd] (one new token per row) over one layer's cache [S, Hkv, max_len, hd] -> [R, H, hd]."""
+    r, h, hd = q.shape
+    s, hkv, max_len, hd2 = k_cache.shape
+    if hd2 != hd or h % hkv or q.dtype != k_cache.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"attend_rows: q {q.dtype} {tuple(q.shape)}, cache {k_cache.dtype} {tuple(k_cache.shape)}")
+    if q.stride(2) != 1 or q.stride(1) != hd or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("attend_rows: q rows must be [H, hd] contiguous and the caches contiguous")
+    out = torch.empty(r, h, hd, dtype=q.dtype)
+    _require().ssd_attend_rows(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        int(q.dtype == torch.bfloat16), r, h, hkv, hd, max_len,
+        plan.slot.data_ptr(), plan.length.data_ptr(), plan.off.data_ptr(), plan.idx.data_ptr(), torch.get_num_threads(),
+    )
+    return out
+
+
+def ref_attend_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: RowPlan) -> Tensor:
+    """Reference for `attend_rows`: one fp32 SDPA per token over its gathered keys."""
+    r, h, hd = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for j in range(r):
+        s, n, o = int(plan.slot[j]), int(plan.length[j]), int(plan.off[j])
+        pos = torch.arange(n) if o < 0 else plan.idx[o : o + n]
+        kr, vr = k_cache[s][:, pos].float(), v_cache[s][:, pos].float()  # [Hkv, n, hd]
+        qr = q[j].float().view(hkv, h // hkv, hd)
+        out[j] = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr).reshape(h, hd).to(q.dtype)
+    return out

@@ -1,0 +1,291 @@
+// Block-quantised GEMM for CPU decoding (AVX2 + FMA + F16C): y[M, N] = x[M, K] @ W[N, K]^T.
+//
+// Weights come in blocks of 32 along K with fp16 scales:
+//   q4: w = s * q + o, q in 0..15 (16 bytes per block: byte j = q[j] | q[j + 16] << 4)
+//   q8: w = s * q,     q in -127..127 (32 bytes per block)
+// Activations are quantised per row and block of 32 to int8 (xq, scale dx; Q8_0 style), so each
+// block's dot product is an exact integer sum (maddubs + madd):
+//   q4: y += s * dx * sum(q * xq) + o * (dx * sum(xq))        q8: y += s * dx * sum(q * xq)
+//
+// Row independence: every output element y[m, n] is computed by the same sequence of floating-point
+// operations whatever M is and whichever rows share a chunk (the chunk only decides how many rows
+// reuse one unpacked weight block). This is what lets a K+1-token verification reproduce one-token
+// decoding bit for bit. Build with -ffp-contract=off so the compiler cannot fuse differently in
+// different instantiations.
+//
+// Threads: the N outputs are split into contiguous ranges, one per OpenMP thread (the caller passes
+// torch.get_num_threads(); torch's own libgomp serves the pragma, so there is one thread pool).
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int MAX_BLOCKS = 4096;  // K <= 131072
+constexpr int MC = 8;             // rows sharing one unpacked weight block
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline void fp16_to_f32(const uint16_t* src, float* dst, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+}
+
+// sum_i a[i] * b[i]: 8 lanes, then the tail; a fixed order for a given n.
+inline float dot_f32(const float* a, const float* b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+inline int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// Unsigned maddubs operands of `cnt` weight blocks starting at block b (q4: codes; q8: |q|), and for
+// q8 the signed weights themselves (their signs move onto the activations).
+template <bool Q4>
+inline void unpack(const uint8_t* w, int b, int cnt, __m256i* wq, __m256i* sgn) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < cnt; ++j) {
+        if (Q4) {
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (b + j) * 16));
+            wq[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);
+        } else {
+            sgn[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b + j) * 32));
+            wq[j] = _mm256_sign_epi8(sgn[j], sgn[j]);
+        }
+    }
+}
+
+// The 8 lanes of one block's integer dot product sum(q * xq) (still to be added up).
+template <bool Q4>
+inline __m256i block_dot(const __m256i& wq, const __m256i& sgn, const int8_t* x) {
+    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    if (!Q4) xv = _mm256_sign_epi8(xv, sgn);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), _mm256_set1_epi16(1));
+}
+
+// One weight row (blocks converted: sf, of) against `mc` activation rows: y[i] for each.
+// Per 8 blocks: the 8 integer block sums land in one vector (hadd tree, exact), then one
+// cvt + fma with the 8 block scales s * dx (and, q4, one fma with offset * sx). Tail blocks one by one.
+template <bool Q4>
+inline void row_dot(const uint8_t* w, const float* sf, const float* of, const int8_t* xq, const float* dx,
+                    const float* sx, int mc, int K, int nb, float* out) {
+    __m256 acc[MC];
+    for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+    __m256i wq[8], sgn[8];
+    const int nb8 = nb / 8 * 8;
+    for (int b = 0; b < nb8; b += 8) {
+        unpack<Q4>(w, b, 8, wq, sgn);
+        const __m256 s8 = _mm256_loadu_ps(sf + b);
+        for (int i = 0; i < mc; ++i) {
+            const int8_t* x = xq + static_cast<size_t>(i) * K + static_cast<size_t>(b) * QK;
+            const __m256i h01 = _mm256_hadd_epi32(block_dot<Q4>(wq[0], sgn[0], x), block_dot<Q4>(wq[1], sgn[1], x + 32));
+            const __m256i h23 = _mm256_hadd_epi32(block_dot<Q4>(wq[2], sgn[2], x + 64), block_dot<Q4>(wq[3], sgn[3], x + 96));
+            const __m256i h45 = _mm256_hadd_epi32(block_dot<Q4>(wq[4], sgn[4], x + 128), block_dot<Q4>(wq[5], sgn[5], x + 160));
+            const __m256i h67 = _mm256_hadd_epi32(block_dot<Q4>(wq[6], sgn[6], x + 192), block_dot<Q4>(wq[7], sgn[7], x + 224));
+            const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+            const __m256i dots = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                                  _mm256_permute2x128_si256(lo, hi, 0x31));  // blocks b..b+7
+            const size_t at = static_cast<size_t>(i) * nb + b;
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
+            if (Q4) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(of + b), _mm256_loadu_ps(sx + at), acc[i]);
+        }
+    }
+    for (int i = 0; i < mc; ++i) out[i] = hsum(acc[i]);
+    for (int b = nb8; b < nb; ++b) {
+        unpack<Q4>(w, b, 1, wq, sgn);
+        for (int i = 0; i < mc; ++i) {
+            const size_t at = static_cast<size_t>(i) * nb + b;
+            const int dot = hsum_i32(block_dot<Q4>(wq[0], sgn[0], xq + static_cast<size_t>(i) * K + b * QK));
+            out[i] += sf[b] * dx[at] * static_cast<float>(dot);
+            if (Q4) out[i] += of[b] * sx[at];
+        }
+    }
+}
+
+template <bool Q4>
+void gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const int8_t* xq, const float* dx,
+          const float* sx, int M, int N, int K, void* y, int y_bf16, int nthreads) {
+    const int nb = K / QK;
+    const int row_bytes = Q4 ? K / 2 : K;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int n0 = static_cast<int>(static_cast<int64_t>(N) * t / nt);
+        const int n1 = static_cast<int>(static_cast<int64_t>(N) * (t + 1) / nt);
+        float sf[MAX_BLOCKS], of[MAX_BLOCKS], part[MC];
+        for (int n = n0; n < n1; ++n) {
+            fp16_to_f32(scale + static_cast<size_t>(n) * nb, sf, nb);
+            if (Q4) fp16_to_f32(offset + static_cast<size_t>(n) * nb, of, nb);
+            const uint8_t* wr = w + static_cast<size_t>(n) * row_bytes;
+            for (int m0 = 0; m0 < M; m0 += MC) {
+                const int mc = M - m0 < MC ? M - m0 : MC;
+                row_dot<Q4>(wr, sf, of, xq + static_cast<size_t>(m0) * K, dx + static_cast<size_t>(m0) * nb,
+                            Q4 ? sx + static_cast<size_t>(m0) * nb : nullptr, mc, K, nb, part);
+                for (int i = 0; i < mc; ++i) {
+                    const size_t at = static_cast<size_t>(m0 + i) * N + n;
+                    if (y_bf16)
+                        static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[i]);
+                    else
+                        static_cast<float*>(y)[at] = part[i];
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int ssd_qgemm_max_blocks() { return MAX_BLOCKS; }
+
+// x [M, K] (fp32, or bf16 when x_bf16) -> xq int8 [M, K], dx = absmax / 127 and sx = dx * sum(xq) per
+// (row, block) [M, K / 32]. xq = round_half_even(x * (1 / dx)); an all-zero block gives dx = 0, xq = 0.
+void ssd_quantize_rows(const void* x, int x_bf16, int M, int K, int8_t* xq, float* dx, float* sx) {
+    const int nb = K / QK;
+    for (int m = 0; m < M; ++m) {
+        for (int b = 0; b < nb; ++b) {
+            float v[QK];
+            const size_t at = static_cast<size_t>(m) * K + static_cast<size_t>(b) * QK;
+            for (int j = 0; j < QK; ++j)
+                v[j] = x_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[at + j]) : static_cast<const float*>(x)[at + j];
+            float amax = 0.0f;
+            for (int j = 0; j < QK; ++j) {
+                const float a = v[j] < 0 ? -v[j] : v[j];
+                amax = a > amax ? a : amax;
+            }
+            const float d = amax / 127.0f;
+            const float id = d != 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < QK; j += 8) {
+                const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + j), _mm256_set1_ps(id)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                alignas(32) int32_t qi[8];
+                _mm256_store_si256(reinterpret_cast<__m256i*>(qi), _mm256_cvtps_epi32(r));
+                for (int k = 0; k < 8; ++k) {
+                    xq[at + j + k] = static_cast<int8_t>(qi[k]);
+                    sum += qi[k];
+                }
+            }
+            dx[static_cast<size_t>(m) * nb + b] = d;
+            sx[static_cast<size_t>(m) * nb + b] = d * static_cast<float>(sum);
+        }
+    }
+}
+
+void ssd_gemm_q4(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const int8_t* xq,
+                 const float* dx, const float* sx, int M, int N, int K, void* y, int y_bf16, int nthreads) {
+    gemm<true>(w, scale, offset, xq, dx, sx, M, N, K, y, y_bf16, nthreads);
+}
+
+void ssd_gemm_q8(const uint8_t* w, const uint16_t* scale, const int8_t* xq, const float* dx, int M, int N, int K,
+                 void* y, int y_bf16, int nthreads) {
+    gemm<false>(w, scale, nullptr, xq, dx, nullptr, M, N, K, y, y_bf16, nthreads);
+}
+
+// Attention for new tokens one at a time, each over exactly the cache positions it may see (no mask):
+// out[r, h] = softmax(q[r, h] . k[pos] / sqrt(hd)) @ v[pos] over pos in 0..len[r]-1, or over
+// idx[off[r] .. off[r] + len[r]) when off[r] >= 0 (tree tokens). q: [R, H, hd] with row stride
+// q_stride (elements), out: [R, H, hd] contiguous; caches: one
+// layer [S, Hkv, max_len, hd]; q, caches and out share one dtype (bf16 or fp32); math in fp32.
+// One token's result depends on its own query and keys only, so it is batch invariant.
+void ssd_attend_rows(const void* q, int64_t q_stride, const void* kc, const void* vc, void* out, int bf16, int R,
+                     int H, int Hkv, int hd, int max_len, const int32_t* slot, const int32_t* len, const int64_t* off,
+                     const int64_t* idx, int nthreads) {
+    const int group = H / Hkv;
+    const float scale = 1.0f / sqrtf(static_cast<float>(hd));
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int job = 0; job < R * Hkv; ++job) {
+        const int r = job / Hkv, kvh = job % Hkv;
+        const int L = len[r];
+        float* buf = new float[static_cast<size_t>(group) * (2 * hd + L) + hd];
+        float* qf = buf;                                    // [group, hd]
+        float* sc = buf + static_cast<size_t>(group) * hd;  // [group, L]
+        float* acc = sc + static_cast<size_t>(group) * L;   // [group, hd]
+        float* row = acc + static_cast<size_t>(group) * hd; // [hd]: one key / value row in fp32
+        auto load = [&](const void* base, size_t at, float* dst) {
+            if (bf16) {
+                const uint16_t* p = static_cast<const uint16_t*>(base) + at;
+                for (int d = 0; d < hd; ++d) dst[d] = bf16_to_f32(p[d]);
+            } else {
+                memcpy(dst, static_cast<const float*>(base) + at, sizeof(float) * hd);
+            }
+        };
+        for (int g = 0; g < group; ++g)
+            load(q, static_cast<size_t>(r) * q_stride + static_cast<size_t>(kvh * group + g) * hd, qf + g * hd);
+        const size_t head_base = (static_cast<size_t>(slot[r]) * Hkv + kvh) * max_len;
+        auto pos_of = [&](int l) -> size_t { return off[r] < 0 ? l : static_cast<size_t>(idx[off[r] + l]); };
+        for (int l = 0; l < L; ++l) {
+            load(kc, (head_base + pos_of(l)) * hd, row);
+            for (int g = 0; g < group; ++g) sc[g * L + l] = dot_f32(qf + g * hd, row, hd) * scale;
+        }
+        for (int g = 0; g < group; ++g) {
+            float* s = sc + static_cast<size_t>(g) * L;
+            float mx = -INFINITY;
+            for (int l = 0; l < L; ++l) mx = s[l] > mx ? s[l] : mx;
+            float sum = 0.0f;
+            for (int l = 0; l < L; ++l) {
+                s[l] = expf(s[l] - mx);
+                sum += s[l];
+            }
+            const float inv = 1.0f / sum;
+            for (int l = 0; l < L; ++l) s[l] *= inv;
+        }
+        memset(acc, 0, sizeof(float) * group * hd);
+        for (int l = 0; l < L; ++l) {
+            load(vc, (head_base + pos_of(l)) * hd, row);
+            for (int g = 0; g < group; ++g) {
+                const float p = sc[static_cast<size_t>(g) * L + l];
+                float* a = acc + static_cast<size_t>(g) * hd;
+                for (int d = 0; d < hd; ++d) a[d] += p * row[d];
+            }
+        }
+        for (int g = 0; g < group; ++g) {
+            const size_t at = (static_cast<size_t>(r) * H + kvh * group + g) * hd;
+            for (int d = 0; d < hd; ++d) {
+                if (bf16)
+                    static_cast<uint16_t*>(out)[at + d] = f32_to_bf16(acc[g * hd + d]);
+                else
+                    static_cast<float*>(out)[at + d] = acc[g * hd + d];
+            }
+        }
+        delete[] buf;
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,150 @@
+"""Block-quantised W4A8 / W8A8 layers (AVX2 kernel, ssd/kernels/cpu): kernel vs torch reference,
+row independence, rounding bounds, Q4_K codes kept, model plumbing."""
+
+import numpy as np
+import pytest
+import torch
+from test_quant import random_q4k_blocks
+from tiny_models import random_model
+
+from ssd.kernels import cpu as qk
+from ssd.workers.models.blockquant import W4A8Linear, W8A8Linear
+from ssd.workers.models.quant import Int8Linear, q4k_to_affine, quantize_model
+
+pytestmark = pytest.mark.skipif(not qk.available(), reason=f"block-quantised kernel: {qk.unavailable_reason()}")
+
+CLASSES = [W4A8Linear, W8A8Linear]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_activation_quantisation_matches_reference_bitwise(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(9, 160, generator=g) * torch.logspace(-3, 2, 160)).to(dtype)
+    x[3, 32:64] = 0  # an all-zero block: dx = 0, xq = 0
+    x[4, 0:32] = torch.linspace(-1, 1, 32).to(dtype)  # ties at .5 after scaling (round half to even)
+    for got, want in zip(qk.quantize_rows(x), qk.ref_quantize_rows(x)):
+        assert torch.equal(got, want)
+    xq, dx, _ = qk.quantize_rows(x)
+    assert dx[3, 1] == 0 and (xq[3, 32:64] == 0).all()
+    assert xq.abs().max() == 127
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17])  # around the kernel's 4-row chunks
+def test_kernel_matches_reference(cls, dtype, m):
+    g = torch.Generator().manual_seed(m)
+    w, b = torch.randn(72, 288, generator=g), torch.randn(72, generator=g)  # 9 blocks: a vector + tail
+    lin = cls.from_float(w, b, dtype)
+    x = torch.randn(m, 288, generator=g).to(dtype)
+    y, ref = lin(x), lin.ref_forward(x)
+    assert y.shape == ref.shape == (m, 72) and y.dtype == dtype
+    # Same math (exact integer block sums, fp32 scaling); only fp32 summation order differs.
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+    # and the model it defines is close to the float layer: activation + weight rounding only.
+    full = torch.nn.functional.linear(x.float(), w, b)
+    rel = (torch.linalg.norm(y.float() - full) / torch.linalg.norm(full)).item()
+    assert rel < (0.12 if cls is W4A8Linear else 0.02)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_are_independent_bitwise(cls, dtype, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(2)
+        lin = cls.from_float(torch.randn(161, 512, generator=g), None, dtype)  # N odd: uneven thread split
+        x = torch.randn(17, 512, generator=g).to(dtype)
+        full = lin(x)
+        for step in (1, 2, 3, 4, 5, 9):
+            assert torch.equal(torch.cat([lin(x[i : i + step]) for i in range(0, 17, step)]), full)
+        perm = torch.randperm(17, generator=g)
+        assert torch.equal(lin(x[perm]), full[perm])
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_rounding_within_half_a_step():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=g) * torch.logspace(-4, 1, 64)[:, None]
+    w[0, :32] = 0.5  # a constant block
+    q4 = W4A8Linear.from_float(w)
+    step4 = q4.scale.float().repeat_interleave(32, dim=1)
+    # offset rounded down, scale up (fp16, subnormal for the tiny rows): no code clamps.
+    err4 = (q4.dequantize() - w).abs()
+    assert (err4 <= 0.5 * step4 * 1.01).all()
+    assert torch.equal(q4.dequantize()[0, :32], torch.full((32,), 0.5))
+    q8 = W8A8Linear.from_float(w)
+    step8 = q8.scale.float().repeat_interleave(32, dim=1)
+    assert ((q8.dequantize() - w).abs() <= 0.5 * step8 * 1.01).all()
+
+
+def test_q4k_codes_kept_and_weights_up_to_fp16_scales():
+    import gguf
+
+    n, k = 32, 512
+    blocks = random_q4k_blocks(n * k // 256, seed=4)
+    want = torch.from_numpy(
+        gguf.quants.dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType.Q4_K).reshape(n, k).copy()
+    )
+    codes, scale, offset = q4k_to_affine(torch.from_numpy(np.array(blocks)), n, k)
+    lin = W4A8Linear.from_affine(codes, scale, offset, None, torch.float32)
+    assert torch.equal(lin.codes(), codes)
+    # Only scale = d * sc and offset = -dmin * m are rounded (to fp16): error <= q * ds + do.
+    s = scale.repeat_interleave(32, dim=1)
+    o = offset.repeat_interleave(32, dim=1)
+    s16 = lin.scale.float().repeat_interleave(32, dim=1)
+    o16 = lin.offset.float().repeat_interleave(32, dim=1)
+    bound = codes.float() * (s - s16).abs() + (o - o16).abs()
+    assert ((lin.dequantize() - want).abs() <= bound * 1.001 + 1e-7).all()
+
+
+def test_pack_layout():
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
+    packed = W4A8Linear.pack(codes)
+    assert packed.shape == (1, 32)
+    assert packed[0, 0].item() == (0 | (0 << 4))  # q[0] | q[16] << 4: 16 % 16 = 0
+    assert packed[0, 1].item() == (1 | (1 << 4))
+    lin = W4A8Linear(packed, torch.ones(1, 2), torch.zeros(1, 2), None, torch.float32)
+    assert torch.equal(lin.codes(), codes)
+
+
+def test_quantize_model_w4a8_plumbing():
+    model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=2).to(torch.bfloat16)
+    quantize_model(model, "w4a8")
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert isinstance(model.lm_head, W8A8Linear)  # the head keeps 8 bits
+    assert isinstance(model.layers[0].self_attn.qkv_proj, W4A8Linear)  # fused
+    assert isinstance(model.layers[0].mlp.gate_up_proj, W4A8Linear)
+    assert model.batch_invariant
+    m8 = quantize_model(random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=1), "w8a8")
+    assert all(isinstance(m, W8A8Linear) for m in m8.modules() if hasattr(m, "qweight"))
+
+
+def test_fused_projection_equals_separate():
+    g = torch.Generator().manual_seed(5)
+    parts = [W4A8Linear.from_float(torch.randn(n, 96, generator=g), torch.randn(n, generator=g)) for n in (64, 32)]
+    from ssd.workers.models.blockquant import concat_block_linears
+
+    fused = concat_block_linears(parts)
+    x = torch.randn(3, 96, generator=g).bfloat16()
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
+    assert concat_block_linears([parts[0], W8A8Linear.from_float(torch.randn(8, 96))]) is None
+
+
+def test_shapes_the_kernel_cannot_take_stay_int8():
+    model = random_model(vocab=64, hidden=48, heads=4, kv_heads=2, layers=1)  # K = 48: not whole blocks
+    quantize_model(model, "w4a8")
+    assert isinstance(model.layers[0].self_attn.o_proj, Int8Linear)
+
+
+def test_bad_input_is_a_clear_error():
+    lin = W8A8Linear.from_float(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        qk.quantize_rows(torch.zeros(2, 64, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="shape"):
+        lin(torch.zeros(2, 48))

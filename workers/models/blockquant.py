@@ -1,0 +1,209 @@
+"""Block-quantised linears with int8 activations (W4A8 / W8A8), run by ``ssd.kernels.cpu`` (AVX2).
+
+* `W4A8Linear`: w = scale * q + offset per block of 32 inputs, q in 0..15, fp16 scale and offset
+  (5 bits per weight; a GGUF Q4_K sub-block keeps its codes, only d*sc and -dmin*m are rounded to
+  fp16).
+* `W8A8Linear`: w = scale * q per block of 32, q in -127..127, fp16 scale (8.5 bits per weight).
+
+Activations are quantised per row and block of 32 to int8 (dx = absmax / 127) inside the kernel,
+as llama.cpp does for its Q4/Q8 dot products, so every block product is an exact integer sum. That
+activation rounding is part of the model: the quantised model is the target that speculative
+decoding reproduces. Every output row gets the same bits whatever the number of rows (see
+qgemm.cpp), so these layers are batch invariant like the int8/int4 weight-only ones.
+
+`ref_forward` is the slow reference: quantise the activations with `ref_quantize_rows`, dequantise
+both sides, fp32 `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ssd.kernels import cpu as qk
+from ssd.workers.models.quant import _ROWS, _QuantLinear
+
+QK = qk.QK
+
+
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).contiguous()
+
+
+def require_kernel() -> None:
+    """Raise with the reason when the AVX2 kernel cannot run here (never fall back silently)."""
+    reason = qk.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"quantization w4a8/w8a8 needs the block-quantised CPU kernel: {reason}")
+
+
+def _nudge_fp16(h: torch.Tensor, ok: torch.Tensor, up: bool) -> torch.Tensor:
+    """fp16 values `h`, moved one fp16 step up (or down) where `ok` is False.
+
+    Rounding a bound to fp16 can land on the wrong side of it; one step fixes that. Matters for
+    tiny blocks, where fp16 scales are subnormal and coarse.
+    """
+    step = torch.full_like(h, float("inf") if up else float("-inf"))
+    return torch.where(ok, h, torch.nextafter(h, step))
+
+
+class _BlockLinear(_QuantLinear):
+    block = QK
+    qweight: torch.Tensor
+    scale: torch.Tensor  # fp16 [N, K/32]
+
+    def _setup(self, n: int, k: int, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
+        self.out_features, self.in_features = n, k
+        # Bias in the activation dtype, added after the kernel (as the other quantised layers do).
+        self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype).contiguous())
+
+    def ref_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        xq, dx, _ = qk.ref_quantize_rows(x2)
+        x_deq = (xq.float().view(x2.shape[0], -1, QK) * dx[..., None]).view_as(x2)
+        w = self._ref_weight if self._ref_weight is not None else self.dequantize()
+        y = F.linear(x_deq, w).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_reference:
+            return self.ref_forward(x)
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = self._kernel(x2)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class W4A8Linear(_BlockLinear):
+    """q4 codes packed [N, K/2] (byte j of a block = q[j] | q[j+16] << 4), fp16 scale/offset [N, K/32]."""
+
+    def __init__(
+        self, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None,
+        act_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        n, half_k = qweight.shape
+        self._setup(n, half_k * 2, bias, act_dtype)
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scale", _fp16(scale))
+        self.register_buffer("offset", _fp16(offset))
+
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        """codes [N, K] in 0..15 -> [N, K/2] bytes, byte j of each block of 32 = q[j] | q[j + 16] << 4."""
+        n, k = codes.shape
+        c = codes.to(torch.uint8).view(n, k // QK, 2, QK // 2)
+        return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+    def codes(self) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        b = self.qweight.view(n, k // QK, QK // 2)
+        return torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, k)
+
+    @classmethod
+    def from_affine(
+        cls, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None,
+        act_dtype: torch.dtype = torch.bfloat16,
+    ) -> W4A8Linear:
+        """w = scale * q + offset with codes [N, K] (0..15) and scale/offset [N, K/32]; codes kept as given."""
+        return cls(cls.pack(codes), scale, offset, bias, act_dtype)
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
+    ) -> W4A8Linear:
+        """Round to nearest per block against the fp16 scale and offset as stored.
+
+        offset = min rounded down and scale = (max - offset) / 15 rounded up (in fp16), so that
+        [offset, offset + 15 * scale] covers the block and no code clamps: error <= scale / 2.
+        """
+        act_dtype = act_dtype or weight.dtype
+        weight = weight.detach()
+        n, k = weight.shape
+        codes = torch.empty(n, k, dtype=torch.uint8)
+        scale = torch.empty(n, k // QK, dtype=torch.float16)
+        offset = torch.empty(n, k // QK, dtype=torch.float16)
+        for r in range(0, n, _ROWS):  # row blocks: fp32 temporaries stay in cache
+            g = weight[r : r + _ROWS].to(torch.float32, copy=True).view(-1, k // QK, QK)
+            mn, mx = g.amin(dim=-1), g.amax(dim=-1)
+            o = mn.half()
+            o = _nudge_fp16(o, o.float() <= mn, up=False)
+            s = ((mx - o.float()) / 15.0).half()
+            s = _nudge_fp16(s, o.float() + 15.0 * s.float() >= mx, up=True)
+            s_safe = torch.where(s > 0, s.float(), torch.ones_like(mn))  # constant blocks: every code 0
+            g.sub_(o.float()[..., None]).div_(s_safe[..., None]).round_().clamp_(0, 15)
+            codes[r : r + _ROWS] = g.view(-1, k).to(torch.uint8)
+            scale[r : r + _ROWS], offset[r : r + _ROWS] = s, o
+        return cls(cls.pack(codes), scale, offset, bias, act_dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        q = self.codes().float().view(self.out_features, -1, QK)
+        w = q * self.scale.float()[..., None] + self.offset.float()[..., None]
+        return w.view(self.out_features, self.in_features)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return qk.gemm_q4(x2, self.qweight, self.scale, self.offset)
+
+
+class W8A8Linear(_BlockLinear):
+    """int8 codes [N, K], fp16 scale [N, K/32]."""
+
+    def __init__(
+        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+        act_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        n, k = qweight.shape
+        self._setup(n, k, bias, act_dtype)
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scale", _fp16(scale))
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
+    ) -> W8A8Linear:
+        """Round to nearest, symmetric per block: scale = absmax / 127 rounded up to fp16 (no code clamps)."""
+        act_dtype = act_dtype or weight.dtype
+        weight = weight.detach()
+        n, k = weight.shape
+        q = torch.empty(n, k, dtype=torch.int8)
+        scale = torch.empty(n, k // QK, dtype=torch.float16)
+        for r in range(0, n, _ROWS):
+            g = weight[r : r + _ROWS].to(torch.float32, copy=True).view(-1, k // QK, QK)
+            amax = g.abs().amax(dim=-1)
+            s = (amax / 127.0).half()
+            s = _nudge_fp16(s, 127.0 * s.float() >= amax, up=True)
+            s_safe = torch.where(s > 0, s.float(), torch.ones_like(s, dtype=torch.float32))
+            q[r : r + _ROWS] = g.div_(s_safe[..., None]).round_().clamp_(-127, 127).view(-1, k).to(torch.int8)
+            scale[r : r + _ROWS] = s
+        return cls(q, scale, bias, act_dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.qweight.float().view(self.out_features, -1, QK) * self.scale.float()[..., None]
+        return w.view(self.out_features, self.in_features)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return qk.gemm_q8(x2, self.qweight, self.scale)
+
+
+def concat_block_linears(mods: list[_BlockLinear]) -> _BlockLinear | None:
+    """One layer computing the given layers side by side (rows concatenated), or None if they differ in kind."""
+    first = mods[0]
+    if not all(type(m) is type(first) and m.in_features == first.in_features for m in mods):
+        return None
+    dtype = next((m.bias.dtype for m in mods if m.bias is not None), None)
+    bias = None
+    if dtype is not None:
+        bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=dtype) for m in mods])
+    cat = lambda name: torch.cat([getattr(m, name) for m in mods])
+    if isinstance(first, W4A8Linear):
+        return W4A8Linear(cat("qweight"), cat("scale"), cat("offset"), bias, dtype or torch.bfloat16)
+    return W8A8Linear(cat("qweight"), cat("scale"), bias, dtype or torch.bfloat16)
