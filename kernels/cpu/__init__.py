@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "QK", "RowPlan", "attend_rows", "available", "gemm_q4", "gemm_q8", "quantize_rows", "ref_attend_rows",
-    "ref_quantize_rows", "unavailable_reason",
+    "QK", "RowPlan", "attend_rows", "available", "linear", "quantize_rows", "ref_attend_rows",
+    "ref_quantize_rows", "rmsnorm", "unavailable_reason",
 ]
 
 QK = 32  # weights and activations are quantised in blocks of 32 along K
@@ -86,10 +86,10 @@ def _lib() -> ctypes.CDLL | str:
         return str(e)
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.ssd_quantize_rows.argtypes = [p, i, i, i, p, p, p]
-    lib.ssd_gemm_q4.argtypes = [p, p, p, p, p, p, i, i, i, p, i, i]
-    lib.ssd_gemm_q8.argtypes = [p, p, p, p, i, i, i, p, i, i]
+    lib.ssd_linear.argtypes = [p, i, i, i, p, p, p, p, i, i]
+    lib.ssd_rmsnorm.argtypes = [p, p, p, i, i, i, ctypes.c_float]
     lib.ssd_attend_rows.argtypes = [p, ctypes.c_int64, p, p, p, i, i, i, i, i, i, p, p, p, p, i]
-    for f in (lib.ssd_quantize_rows, lib.ssd_gemm_q4, lib.ssd_gemm_q8, lib.ssd_attend_rows):
+    for f in (lib.ssd_quantize_rows, lib.ssd_linear, lib.ssd_rmsnorm, lib.ssd_attend_rows):
         f.restype = None
     lib.ssd_qgemm_max_blocks.restype = i
     return lib
@@ -150,30 +150,30 @@ def ref_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return xq.to(torch.int8).view(m, k), dx, sx
 
 
-def gemm_q4(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
-    """x [M, K] @ W^T with W[n, 32b + j] = scale[n, b] * q + offset[n, b] (q4 packed [N, K/2]); y [M, N], x's dtype."""
+def linear(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor | None) -> Tensor:
+    """y [M, N] = x [M, K] @ W^T, x's dtype; W[n, 32b + j] = scale[n, b] * q (+ offset[n, b] for q4).
+
+    q4 (offset given): qweight [N, K/2] packed codes 0..15; q8: qweight int8 [N, K]. x must be a
+    contiguous fp32/bf16 CPU tensor with K a multiple of 32 (the layers check once, at build time).
+    """
     m, k = x.shape
     n = qweight.shape[0]
-    xq, dx, sx = quantize_rows(x)
     y = torch.empty(m, n, dtype=x.dtype)
-    _require().ssd_gemm_q4(
-        qweight.data_ptr(), scale.data_ptr(), offset.data_ptr(), xq.data_ptr(), dx.data_ptr(), sx.data_ptr(),
-        m, n, k, y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+    _require().ssd_linear(
+        x.data_ptr(), m, n, k, qweight.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(),
+        y.data_ptr(), x.dtype == torch.bfloat16, torch.get_num_threads(),
     )
     return y
 
 
-def gemm_q8(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
-    """x [M, K] @ W^T with W[n, 32b + j] = scale[n, b] * q (q int8 [N, K]); y [M, N] in x's dtype."""
-    m, k = x.shape
-    n = qweight.shape[0]
-    xq, dx, _ = quantize_rows(x)
-    y = torch.empty(m, n, dtype=x.dtype)
-    _require().ssd_gemm_q8(
-        qweight.data_ptr(), scale.data_ptr(), xq.data_ptr(), dx.data_ptr(),
-        m, n, k, y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim (fp32 math), for contiguous fp32/bf16 x."""
+    d = x.shape[-1]
+    out = torch.empty_like(x)
+    _require().ssd_rmsnorm(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.dtype == torch.bfloat16, x.numel() // d, d, eps
     )
-    return y
+    return out
 
 
 @dataclass

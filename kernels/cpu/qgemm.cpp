@@ -20,6 +20,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 namespace {
@@ -208,14 +209,44 @@ void ssd_quantize_rows(const void* x, int x_bf16, int M, int K, int8_t* xq, floa
     }
 }
 
-void ssd_gemm_q4(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const int8_t* xq,
-                 const float* dx, const float* sx, int M, int N, int K, void* y, int y_bf16, int nthreads) {
-    gemm<true>(w, scale, offset, xq, dx, sx, M, N, K, y, y_bf16, nthreads);
+// y [M, N] = x [M, K] @ W^T: quantise x's rows (as ssd_quantize_rows), then the block GEMM.
+// x and y share one dtype (bf16 when bf16, else fp32). offset == nullptr: q8 weights, else q4.
+void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint16_t* scale,
+                const uint16_t* offset, void* y, int bf16, int nthreads) {
+    const size_t nb = static_cast<size_t>(K) / QK;
+    int8_t* xq = static_cast<int8_t*>(malloc(static_cast<size_t>(M) * K));
+    float* dx = static_cast<float*>(malloc(sizeof(float) * M * nb));
+    float* sx = static_cast<float*>(malloc(sizeof(float) * M * nb));
+    ssd_quantize_rows(x, bf16, M, K, xq, dx, sx);
+    if (offset != nullptr)
+        gemm<true>(w, scale, offset, xq, dx, sx, M, N, K, y, bf16, nthreads);
+    else
+        gemm<false>(w, scale, nullptr, xq, dx, nullptr, M, N, K, y, bf16, nthreads);
+    free(xq);
+    free(dx);
+    free(sx);
 }
 
-void ssd_gemm_q8(const uint8_t* w, const uint16_t* scale, const int8_t* xq, const float* dx, int M, int N, int K,
-                 void* y, int y_bf16, int nthreads) {
-    gemm<false>(w, scale, nullptr, xq, dx, nullptr, M, N, K, y, y_bf16, nthreads);
+// out = weight * rmsnorm(x) per row of D: fp32 mean of squares, x * rsqrt(ms + eps) rounded to the
+// dtype, then times the weight (as workers/models/decoder.RMSNorm does in torch).
+void ssd_rmsnorm(const void* x, const void* weight, void* out, int bf16, int M, int D, float eps) {
+    float* row = static_cast<float*>(malloc(sizeof(float) * D));
+    for (int m = 0; m < M; ++m) {
+        const size_t at = static_cast<size_t>(m) * D;
+        for (int d = 0; d < D; ++d)
+            row[d] = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[at + d]) : static_cast<const float*>(x)[at + d];
+        const float r = 1.0f / sqrtf(dot_f32(row, row, D) / static_cast<float>(D) + eps);
+        for (int d = 0; d < D; ++d) {
+            if (bf16) {
+                const float normed = bf16_to_f32(f32_to_bf16(row[d] * r));
+                const float wd = bf16_to_f32(static_cast<const uint16_t*>(weight)[d]);
+                static_cast<uint16_t*>(out)[at + d] = f32_to_bf16(wd * normed);
+            } else {
+                static_cast<float*>(out)[at + d] = static_cast<const float*>(weight)[d] * (row[d] * r);
+            }
+        }
+    }
+    free(row);
 }
 
 // Attention for new tokens one at a time, each over exactly the cache positions it may see (no mask):

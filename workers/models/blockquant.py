@@ -50,9 +50,17 @@ def _nudge_fp16(h: torch.Tensor, ok: torch.Tensor, up: bool) -> torch.Tensor:
 class _BlockLinear(_QuantLinear):
     block = QK
     qweight: torch.Tensor
-    scale: torch.Tensor  # fp16 [N, K/32]
+    # fp16 scales (and offsets) are stored as their int16 bits: `model.to(dtype)` casts every
+    # floating-point buffer, which would reinterpret what the kernel reads.
+    scale_bits: torch.Tensor  # int16 [N, K/32]
+
+    @property
+    def scale(self) -> torch.Tensor:  # fp16 [N, K/32]
+        return self.scale_bits.view(torch.float16)
 
     def _setup(self, n: int, k: int, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
+        require_kernel()
+        qk.check_shape(k)
         self.out_features, self.in_features = n, k
         # Bias in the activation dtype, added after the kernel (as the other quantised layers do).
         self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype).contiguous())
@@ -76,6 +84,8 @@ class _BlockLinear(_QuantLinear):
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{type(self).__name__}: activations must be fp32 or bf16, got {x2.dtype}")
         y = self._kernel(x2)
         if self.bias is not None:
             y.add_(self.bias)
@@ -93,8 +103,12 @@ class W4A8Linear(_BlockLinear):
         n, half_k = qweight.shape
         self._setup(n, half_k * 2, bias, act_dtype)
         self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scale", _fp16(scale))
-        self.register_buffer("offset", _fp16(offset))
+        self.register_buffer("scale_bits", _fp16(scale).view(torch.int16))
+        self.register_buffer("offset_bits", _fp16(offset).view(torch.int16))
+
+    @property
+    def offset(self) -> torch.Tensor:  # fp16 [N, K/32]
+        return self.offset_bits.view(torch.float16)
 
     @staticmethod
     def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -150,7 +164,7 @@ class W4A8Linear(_BlockLinear):
         return w.view(self.out_features, self.in_features)
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        return qk.gemm_q4(x2, self.qweight, self.scale, self.offset)
+        return qk.linear(x2, self.qweight, self.scale, self.offset)
 
 
 class W8A8Linear(_BlockLinear):
@@ -164,7 +178,7 @@ class W8A8Linear(_BlockLinear):
         n, k = qweight.shape
         self._setup(n, k, bias, act_dtype)
         self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scale", _fp16(scale))
+        self.register_buffer("scale_bits", _fp16(scale).view(torch.int16))
 
     @classmethod
     def from_float(
@@ -191,7 +205,7 @@ class W8A8Linear(_BlockLinear):
         return w.view(self.out_features, self.in_features)
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        return qk.gemm_q8(x2, self.qweight, self.scale)
+        return qk.linear(x2, self.qweight, self.scale, None)
 
 
 def concat_block_linears(mods: list[_BlockLinear]) -> _BlockLinear | None:

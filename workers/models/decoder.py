@@ -18,12 +18,18 @@ from ssd.workers.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    # Set by quantize_model for the block-quantised CPU modes: one C call (ssd.kernels.cpu.rmsnorm,
+    # same formula, row-independent) instead of ~8 small torch ops.
+    use_cpu_kernel = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_kernel and x.dtype == self.weight.dtype and x.is_contiguous():
+            return cpu_kernels.rmsnorm(x, self.weight, self.eps)
         # Normalise in fp32 (as the reference implementations do), scale in the model dtype.
         dtype = x.dtype
         x32 = x.float()

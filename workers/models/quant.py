@@ -374,6 +374,10 @@ def quantize_model(
         setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
     if fuse:
         fuse_projections(model)
+    if mode in BLOCK_MODES:
+        for m in model.modules():
+            if hasattr(m, "use_cpu_kernel"):
+                m.use_cpu_kernel = True  # RMSNorm: the C kernel too
     if hasattr(model, "batch_invariant"):
         model.batch_invariant = all_quantised
     model.quantization = mode

@@ -1,9 +1,11 @@
-"""Token-by-token attention kernel (ssd/kernels/cpu attend_rows) vs its SDPA reference."""
+"""CPU kernels besides the GEMM (ssd/kernels/cpu): token-by-token attention vs its SDPA reference,
+RMSNorm vs the torch module."""
 
 import pytest
 import torch
 
 from ssd.kernels import cpu as qk
+from ssd.workers.models.decoder import RMSNorm
 
 pytestmark = pytest.mark.skipif(not qk.available(), reason=f"CPU kernels: {qk.unavailable_reason()}")
 
@@ -46,3 +48,19 @@ def test_strided_queries_and_bad_input():
     assert torch.equal(qk.attend_rows(wide, kc, vc, plan), qk.attend_rows(q, kc, vc, plan))
     with pytest.raises(ValueError, match="attend_rows"):
         qk.attend_rows(q.bfloat16(), kc, vc, plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_module_and_is_row_independent(dtype):
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    norm = norm.to(dtype)
+    x = (torch.randn(7, 96, generator=g) * 3).to(dtype)
+    want = norm(x)
+    norm.use_cpu_kernel = True
+    got = norm(x)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7  # fp32 sum order only (then one bf16 rounding)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(torch.cat([norm(x[i : i + 1]) for i in range(7)]), got)
