@@ -10,7 +10,8 @@ transformers' own model code in bf16 over the very same tensors (workers/models/
 `--llama-cpp PATH` adds llama-bench (PATH = the llama-bench binary) on the same GGUF files.
 
 Measurements are interleaved round by round across variants, so a busy machine slows all of them
-alike; medians are reported.
+alike; medians are reported. Each row also gives the weights a decode step streams (MB/tok) and
+the tokens/s that the measured memory read rate would allow if nothing else cost time ("bound").
 
     python benchmarks/runner.py --quick          # ~5 min on 2 cores
     python benchmarks/runner.py --threads 1,2 --decode-tokens 64 --reps 9
@@ -40,10 +41,28 @@ NS = (1, 2, 4, 8, 16)
 CACHE = 200
 
 
+def read_bandwidth_gbs(reps: int = 5) -> float:
+    """Best-of-reps rate of summing a 512 MiB int64 tensor with torch's current threads (GB/s)."""
+    a = torch.ones(64 * 1024 * 1024, dtype=torch.int64)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 8 / best / 1e9
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes a decode step must stream: every weight except the embedding table (one row is read)."""
+    return sum(t.numel() * t.element_size() for name, t in model.state_dict().items()
+               if not name.startswith("embed_tokens."))
+
+
 class OurVariant:
     def __init__(self, model, label: str) -> None:
         self.label, self.impl = label, "ssd"
         self.model = model
+        self.weight_bytes = weight_bytes_per_token(model)
         self.runner = ModelRunner(model, max_slots=1, max_len=CACHE + 256)
         self.slot = self.runner.allocate()
         self.runner.forward([self.slot], [[(i * 7919) % 5000 + 100 for i in range(CACHE)]], last_only=True)
@@ -73,6 +92,7 @@ class HFVariant:
         from ssd.workers.models.hf_export import to_transformers
 
         self.label, self.impl = "bf16", "transformers"
+        self.weight_bytes = weight_bytes_per_token(model)
         self.hf = to_transformers(model)
         from transformers import DynamicCache
 
@@ -133,6 +153,7 @@ def bench_model(alias: str, args) -> list[dict]:
         torch.set_num_threads(threads)
         for v in variants:  # warm-up: allocator, rope table, OpenMP pool
             v.score(1), v.score(max(NS)), v.decode(2)
+        bw = read_bandwidth_gbs()
         score = {v: {n: [] for n in NS} for v in variants}
         decode = {v: [] for v in variants}
         for _ in range(args.reps):
@@ -149,6 +170,9 @@ def bench_model(alias: str, args) -> list[dict]:
                 score_ms={str(n): round(t, 2) for n, t in ms.items()},
                 verify8_over_decode1=round(ms[8] / ms[1], 2),
                 decode_min_ms=round(min(decode[v]) * 1e3, 2),
+                # memory-bandwidth bound: weights streamed once per token at the measured read rate
+                weight_mb=round(v.weight_bytes / 1e6, 1), read_gb_s=round(bw, 2),
+                bandwidth_bound_tok_s=round(bw * 1e9 / v.weight_bytes, 2),
             ))
             print(fmt_row(rows[-1]), flush=True)
     del variants
@@ -173,7 +197,7 @@ def llama_bench(path: str, alias: str, threads: list[int], n_gen: int) -> list[d
 
 
 HEADER = (f"{'model':<16} {'impl':<12} {'quant':<8} {'thr':>3} {'ms/tok':>8} {'tok/s':>7} "
-          + " ".join(f"{'n=' + str(n):>7}" for n in NS) + f" {'t8/t1':>6}")
+          + " ".join(f"{'n=' + str(n):>7}" for n in NS) + f" {'t8/t1':>6} {'MB/tok':>7} {'bound':>6}")
 
 
 def fmt_row(r: dict) -> str:
@@ -182,7 +206,8 @@ def fmt_row(r: dict) -> str:
     sc = " ".join(f"{r['score_ms'].get(str(n), float('nan')):>7.1f}" for n in NS)
     ratio = r.get("verify8_over_decode1")
     return (f"{r['model']:<16} {r['impl']:<12} {r['quantization']:<8} {r['threads']:>3} {r['decode_ms']:>8.1f} "
-            f"{r['tok_s']:>7.2f} {sc} {ratio if ratio is not None else '':>6}")
+            f"{r['tok_s']:>7.2f} {sc} {ratio if ratio is not None else '':>6} {r.get('weight_mb', ''):>7} "
+            f"{r.get('bandwidth_bound_tok_s', ''):>6}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,16 +1,17 @@
 """Batch-size-aware choice of the decoding strategy for the next round (ssd-algorithm.md 3c, 4).
 
 Options: SSD with the neural (just-in-time draft) backup, SSD with a fast (n-gram / random) backup,
-plain SD, plain AR. Each is scored by expected seconds per emitted token from online estimates:
-verification cost as a function of tokens scored, draft cost per step, speculation time, cache
-hit rate and acceptance. The cheapest wins.
+plain SD, n-gram SD (prompt lookup as the primary drafter: no draft-model work at all; wins when
+the output copies its context, as code edits do), plain AR. Each is scored by expected seconds
+per emitted token from online estimates: verification cost as a function of tokens scored, draft
+cost per step, speculation time, cache hit rate and acceptance. The cheapest wins.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-OPTIONS = ("ssd_neural", "ssd_fast", "sd", "ar")
+OPTIONS = ("ssd_neural", "ssd_fast", "sd", "ar", "ngram")  # order breaks ties
 
 
 @dataclass
@@ -33,7 +34,7 @@ class CostModel:
     draft_step: Ema = field(default_factory=lambda: Ema(0.02))  # one batched draft forward
     speculate: Ema = field(default_factory=lambda: Ema(0.08))  # SSD draft work for one round
     acceptance: Ema = field(default_factory=lambda: Ema(0.7))  # per-token, neural draft
-    fast_acceptance: Ema = field(default_factory=lambda: Ema(0.2))  # per-token, fast backup
+    fast_acceptance: Ema = field(default_factory=lambda: Ema(0.2))  # per-token, fast backup / n-gram drafts
     p_hit: Ema = field(default_factory=lambda: Ema(0.5))  # per-sequence hit rate
 
     def verify_time(self, n_tokens: int) -> float:
@@ -72,5 +73,7 @@ def choose(cost: CostModel, batch: int, k: int, allowed: tuple[str, ...] = OPTIO
     scores["ssd_neural"] = (overlap + (1 - all_hit) * t_draft) / (batch * e_sd)
     tok_fast = batch * (p * e_sd + (1 - p) * e_fast)
     scores["ssd_fast"] = overlap / tok_fast
+    # n-gram SD: verification only; drafting is a lookup.
+    scores["ngram"] = t_ver / (batch * e_fast)
     best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])
     return best, scores

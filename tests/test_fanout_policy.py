@@ -110,9 +110,18 @@ def test_policy_prefers_fast_backup_when_misses_stall_a_big_batch():
 
 def test_policy_picks_the_cheaper_of_injected_options():
     # a slow draft and low acceptance: SD loses to AR, SSD can't hide the draft either
-    c = costs(v0=0.05, v1=0.0, draft_step=0.2, speculate=1.0, a=0.1, p_hit=0.1)
+    c = costs(v0=0.05, v1=0.0, draft_step=0.2, speculate=1.0, a=0.1, p_hit=0.1, a_fast=0.0)
     best, scores = choose(c, batch=1, k=4)
-    assert best == "ar" and scores["sd"] > scores["ar"]
+    assert best == "ar" and scores["sd"] > scores["ar"] and scores["ngram"] >= scores["ar"]
+
+
+def test_policy_takes_ngram_sd_when_lookups_are_accepted():
+    # code that copies its context: n-gram drafts accepted 80 %, a slow draft model
+    c = costs(v0=0.1, v1=0.01, draft_step=0.08, speculate=0.4, a=0.5, p_hit=0.5, a_fast=0.8)
+    best, scores = choose(c, batch=1, k=4)
+    assert best == "ngram" and scores["ngram"] < min(scores[o] for o in ("sd", "ssd_neural", "ssd_fast", "ar"))
+    c.fast_acceptance = type(c.fast_acceptance)(0.05)
+    assert choose(c, batch=1, k=4)[0] != "ngram"
 
 
 def test_expected_tokens():

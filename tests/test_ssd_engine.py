@@ -26,6 +26,26 @@ def test_ssd_auto_mode_greedy_equals_ar(models, ar_outputs):
         assert sum(llm.stats()["policy"].values()) == llm.stats()["rounds"]
 
 
+def cycle_policy(monkeypatch, order):
+    """Force mode="auto"'s per-round choice through `order`, round after round."""
+    import itertools
+
+    import ssd.modes.ssd as ssd_mode
+
+    it = itertools.cycle(order)
+    monkeypatch.setattr(ssd_mode, "choose", lambda cost, batch, k, allowed: (next(it), dict.fromkeys(allowed, 1.0)))
+
+
+def test_auto_switching_through_every_option_greedy_equals_ar(models, ar_outputs, monkeypatch):
+    """Every option of the policy, n-gram SD included, and every switch between them keeps greedy == AR."""
+    cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ssd_fast", "sd", "ngram", "ar", "ssd_neural", "sd"])
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=4, max_len=128) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs
+        policy = llm.stats()["policy"]
+    assert all(policy.get(o, 0) > 0 for o in ("ssd_neural", "ssd_fast", "sd", "ngram", "ar")), policy
+
+
 def test_draft_equal_to_target_hits_every_round(models):
     k = 4
     with LLM(

@@ -24,9 +24,9 @@ def draft():
     return random_model(vocab=V, layers=1, seed=12, scale=1.5)
 
 
-def run_case(target, draft, params, seed, n=3, prompt=PROMPT, num=N_SAMPLES, **kw):
+def run_case(target, draft, params, seed, n=3, prompt=PROMPT, num=N_SAMPLES, mode="ssd", **kw):
     exact = exact_continuation_probs(target, prompt, n, params)
-    with LLM(target=target, draft=draft, mode="ssd", dtype="float32", max_batch=64, max_len=96, **kw) as llm:
+    with LLM(target=target, draft=draft, mode=mode, dtype="float32", max_batch=64, max_len=96, **kw) as llm:
         samples = sample_continuations(llm, prompt, n, params, num, seed)
         st = llm.stats()
     return chi_square_pvalue(samples, exact, min_expected=10), st
@@ -51,6 +51,16 @@ def test_ssd_sampling_is_exact(target, draft, case):
     assert sum(st["cache_hits_per_k"].values()) > 100, st  # hits and misses both exercised
     assert sum(st["cache_misses_per_k"].values()) > 100, st
     assert p > 1e-3, f"{case}: chi-square p-value {p:.2e}"
+
+
+def test_auto_switching_through_every_option_is_exact(target, draft, monkeypatch):
+    """mode="auto" with the choice forced to change every round, n-gram SD included: still exact."""
+    from test_ssd_engine import cycle_policy
+
+    cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ssd_fast", "sd", "ar", "ngram"])
+    p, st = run_case(target, draft, SamplingParams(temperature=1.0), seed=9, mode="auto", k=2, saguaro_c=0.5)
+    assert all(st["policy"].get(o, 0) > 10 for o in ("ssd_neural", "ssd_fast", "sd", "ngram", "ar")), st["policy"]
+    assert p > 1e-3, f"chi-square p-value {p:.2e}"
 
 
 def test_saguaro_sampling_raises_hit_rate(target, draft):

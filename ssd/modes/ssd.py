@@ -98,8 +98,8 @@ class SSDMode(DraftBackedMode):
         self.last_choice = choice
         return choice
 
-    def _fast_backup(self, seq: Sequence, emitted: list[int], k: int) -> Draft:
-        if self.backup == "random":
+    def _fast_backup(self, seq: Sequence, emitted: list[int], k: int, kind: str | None = None) -> Draft:
+        if (kind or self.backup) == "random":
             rng = self._rng[seq.seq_id]
             tokens = [rng.randrange(self.vocab_size) for _ in range(k)]
         else:
@@ -124,6 +124,9 @@ class SSDMode(DraftBackedMode):
         choice = self._choose(len(seqs))
         if choice == "ar":
             return self._plain_round(seqs)
+        if choice == "ngram":  # prompt-lookup drafts; prepared speculation (if any) is dropped by commit
+            self.current.update({s.seq_id: (self._fast_backup(s, [], self.draft_len(s), "ngram"), None, "backup")
+                                 for s in seqs})
         missing = [s for s in seqs if s.seq_id not in self.current]
         if missing and choice == "ssd_fast":  # no prepared speculation: the fast backup drafts
             for s in missing:
@@ -140,7 +143,7 @@ class SSDMode(DraftBackedMode):
         drafts = [self.current[s.seq_id][0] for s in seqs]
         q_draft = [self.current[s.seq_id][1] for s in seqs]
         sources = [self.current[s.seq_id][2] for s in seqs]
-        if choice == "sd":
+        if choice in ("sd", "ngram"):
             outcomes = self._timed_verify(drafts, q_draft)
             for o in outcomes:
                 self.draft.call("commit", o.seq_id, o.tokens)
@@ -152,8 +155,26 @@ class SSDMode(DraftBackedMode):
             if d.tokens:
                 rate = o.num_accepted / (o.num_accepted + (1 if o.num_accepted < len(d.tokens) else 0))
                 (self.cost.fast_acceptance if d.q_kind == "point" else self.cost.acceptance).update(rate)
+        self._shadow_ngram(seqs, drafts, outcomes)
         self._record(seqs, drafts, outcomes, choice)
         return outcomes
+
+    def _shadow_ngram(self, seqs: list[Sequence], drafts: list[Draft], outcomes: list[Outcome]) -> None:
+        """Score the n-gram drafter on rounds it did not draft, so the policy knows its acceptance.
+
+        Under lossless verification the emitted token is distributed as the target's p, so it equals
+        the n-gram guess with probability p(guess): exactly the point-mass acceptance probability.
+        `seqs` still hold the context from before this round (the engine appends outcomes later).
+        """
+        if self.backup == "random":
+            return
+        for s, d, o in zip(seqs, drafts, outcomes):
+            if d.q_kind == "point" and d.tokens:  # the n-gram drafter drafted this round: already counted
+                continue
+            guess = ngram_propose(s.prompt_ids + s.output_ids, len(o.tokens), self.ngram_max)
+            n = min(len(guess), len(o.tokens))
+            m = next((i for i in range(n) if guess[i] != o.tokens[i]), n)
+            self.cost.fast_acceptance.update(m / (m + 1) if m < n else (1.0 if n else 0.0))
 
     def _timed_verify(self, drafts: list[Draft], q_draft: list) -> list[Outcome]:
         t0 = time.perf_counter()
@@ -175,6 +196,7 @@ class SSDMode(DraftBackedMode):
         for o in outcomes:
             self.draft.call("commit", o.seq_id, o.tokens)
         self.current.clear()
+        self._shadow_ngram(seqs, drafts, outcomes)
         self._record(seqs, drafts, outcomes, "ar")
         return outcomes
 
@@ -241,4 +263,6 @@ class SSDMode(DraftBackedMode):
 def policy_options(mode: str, backup: str) -> tuple[str, ...]:
     """Which options the per-round policy may pick: mode="auto" also considers SD and AR."""
     ssd_opts = {"auto": ("ssd_neural", "ssd_fast"), "neural": ("ssd_neural",)}.get(backup, ("ssd_fast",))
-    return ssd_opts + ("sd", "ar") if mode == "auto" else ssd_opts
+    if mode != "auto":
+        return ssd_opts
+    return ssd_opts + ("sd", "ar") + (("ngram",) if backup != "random" else ())

@@ -1,0 +1,76 @@
+"""Where a decode step's time goes on the CPU fast path: the C kernel calls (linears, attention, norms)
+versus everything else (Python and small torch ops), for one model and quantisation.
+
+    python benchmarks/breakdown.py --model qwen-coder-0.5b --quantization w4a8
+
+Wraps the `ssd.kernels.cpu` entry points with timers, decodes single tokens over a 200-token cache
+and prints milliseconds per step; writes results/breakdown-<model>-<quantization>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ssd.kernels import cpu as cpu_kernels
+from ssd.workers.loader import load_model
+from ssd.workers.model_runner import ModelRunner
+
+KERNELS = ("linear", "attend_rows", "rmsnorm")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen-coder-0.5b")
+    ap.add_argument("--quantization", default="w4a8", choices=("w4a8", "w8a8"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype=torch.bfloat16, quantization=args.quantization, progress=False).model
+    runner = ModelRunner(model, max_slots=1, max_len=512)
+    slot = runner.allocate()
+    runner.forward([slot], [[(i * 7919) % 5000 + 100 for i in range(200)]], last_only=True)
+
+    spent: collections.Counter[str] = collections.Counter()
+    for name in KERNELS:
+        fn = getattr(cpu_kernels, name)
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            t0 = time.perf_counter()
+            out = _fn(*a, **kw)
+            spent[_name] += time.perf_counter() - t0
+            return out
+
+        setattr(cpu_kernels, name, timed)  # the model code calls cpu_kernels.<name> at run time
+
+    def step() -> None:
+        runner.forward([slot], [[100]], last_only=True)
+        runner.truncate(slot, 200)
+
+    for _ in range(3):
+        step()
+    spent.clear()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    total = (time.perf_counter() - t0) / args.steps * 1e3
+    per = {k: spent[k] / args.steps * 1e3 for k in KERNELS}
+    rest = total - sum(per.values())
+    print(f"{args.model} {args.quantization} {args.threads} threads: {total:.1f} ms per decode step")
+    for k, v in [*per.items(), ("everything else", rest)]:
+        print(f"  {k:<16} {v:7.1f} ms  {100 * v / total:5.1f} %")
+    out = Path(__file__).resolve().parent.parent / "results" / f"breakdown-{args.model}-{args.quantization}.json"
+    out.write_text(json.dumps(dict(args=vars(args), step_ms=round(total, 2),
+                                   ms={**{k: round(v, 2) for k, v in per.items()}, "rest": round(rest, 2)}), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
