@@ -108,7 +108,7 @@ class Attention(nn.Module):
             k = k * cos + rotate_half(k) * sin
         keys, values = kv.write_and_read(k.transpose(1, 2), v.transpose(1, 2))
         if kv.rows is not None:  # keys/values: this layer's whole cache [S, Hkv, max_len, hd]
-            return self.o_proj(self._attend_rows(q, keys, values, kv.rows, kv.row_plan))
+            return self.o_proj(self._attend_rows(q, keys, values, kv.rows, kv.row_plan, kv.write_src))
         out = F.scaled_dot_product_attention(  # keys/values [B, Hkv, Lmax, hd]
             q.transpose(1, 2), keys, values, attn_mask=kv.mask, enable_gqa=H != Hkv
         )
@@ -116,7 +116,7 @@ class Attention(nn.Module):
 
     def _attend_rows(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[tuple[int, int, int, Any]],
-        plan: cpu_kernels.RowPlan | None = None,
+        plan: cpu_kernels.RowPlan | None = None, src: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention one new token at a time, each over exactly the keys it may see, with no mask.
 
@@ -131,7 +131,7 @@ class Attention(nn.Module):
             q_rows = q.reshape(B * n, H, hd)
             if len(rows) == B * n:
                 return cpu_kernels.attend_rows(q_rows, k_cache, v_cache, plan).view(B, n, H * hd)
-            src = torch.tensor([b * n + i for b, i, _, _ in rows])
+            assert src is not None  # rows are in write_src order: their flat [B * n] indices
             out = q.new_zeros(B * n, H * hd)
             out[src] = cpu_kernels.attend_rows(q_rows[src], k_cache, v_cache, plan).view(len(rows), H * hd)
             return out.view(B, n, H * hd)
