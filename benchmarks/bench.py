@@ -47,6 +47,8 @@ def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], tem
     kw = placement_kwargs(placement, mode, cores)
     draft = None if mode in ("ar", "ngram") else args.draft
     extra = {"quantization": args.quantization} if args.quantization else {}
+    if args.draft_quantization:
+        extra["draft_quantization"] = None if args.draft_quantization == "none" else args.draft_quantization
     llm = LLM(target=args.target, draft=draft, mode=mode, dtype=args.dtype, k=args.k, max_batch=max(batch, 1),
               max_len=2048, use_ray=True, **kw, **extra)
     try:
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default="qwen-coder-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--draft-quantization", default=None, help="the draft's own (default: --quantization)")
     ap.add_argument("--k", type=int, default=None)
     ap.add_argument("--modes", default="ar,sd,ngram,ssd,auto")
     ap.add_argument("--placements", default="a,b")

@@ -20,19 +20,24 @@ import torch
 from ssd.kernels import cpu as cpu_kernels
 from ssd.workers.loader import load_model
 from ssd.workers.model_runner import ModelRunner
+from ssd.workers.models.dense import use_dense_kernels
 
-KERNELS = ("linear", "attend_rows", "rmsnorm")
+KERNELS = ("linear", "linear_dense", "attend_rows", "rmsnorm")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen-coder-0.5b")
-    ap.add_argument("--quantization", default="w4a8", choices=("w4a8", "w8a8"))
+    ap.add_argument("--quantization", default="w4a8", choices=("w4a8", "w8a8", "bf16"),
+                    help="bf16: unquantised weights through the dense kernel")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=torch.bfloat16, quantization=args.quantization, progress=False).model
+    quant = None if args.quantization == "bf16" else args.quantization
+    model = load_model(args.model, dtype=torch.bfloat16, quantization=quant, progress=False).model
+    if quant is None:
+        use_dense_kernels(model)
     runner = ModelRunner(model, max_slots=1, max_len=512)
     slot = runner.allocate()
     runner.forward([slot], [[(i * 7919) % 5000 + 100 for i in range(200)]], last_only=True)

@@ -34,6 +34,7 @@ import torch
 
 from ssd.workers.loader import load_model, resolve_alias
 from ssd.workers.model_runner import ModelRunner
+from ssd.workers.models.dense import use_dense_kernels
 from ssd.workers.models.quant import quantize_model
 
 MODELS = ("qwen-coder-1.5b", "qwen-coder-0.5b")
@@ -132,8 +133,11 @@ class HFVariant:
 def build_variants(alias: str, modes: list[str], with_hf: bool) -> list:
     variants = []
     base = load_model(alias, dtype=torch.bfloat16, progress=False).model
-    if "bf16" in modes:
-        variants.append(OurVariant(base, "bf16"))
+    if "bf16" in modes:  # bf16 weights through the dense C kernel (what the engine runs by default on CPU)
+        m = load_model(alias, dtype=torch.bfloat16, progress=False).model
+        variants.append(OurVariant(use_dense_kernels(m), "bf16"))
+    if "bf16-torch" in modes:  # the same model through torch's F.linear (linear_kernel="torch")
+        variants.append(OurVariant(base, "bf16-torch"))
     if with_hf:
         variants.append(HFVariant(base))
     for mode in modes:
@@ -196,7 +200,7 @@ def llama_bench(path: str, alias: str, threads: list[int], n_gen: int) -> list[d
     return rows
 
 
-HEADER = (f"{'model':<16} {'impl':<12} {'quant':<8} {'thr':>3} {'ms/tok':>8} {'tok/s':>7} "
+HEADER = (f"{'model':<16} {'impl':<12} {'quant':<10} {'thr':>3} {'ms/tok':>8} {'tok/s':>7} "
           + " ".join(f"{'n=' + str(n):>7}" for n in NS) + f" {'t8/t1':>6} {'MB/tok':>7} {'bound':>6}")
 
 
@@ -205,7 +209,7 @@ def fmt_row(r: dict) -> str:
         return f"{r['model']:<16} {r['impl']:<12} error: {r['error']}"
     sc = " ".join(f"{r['score_ms'].get(str(n), float('nan')):>7.1f}" for n in NS)
     ratio = r.get("verify8_over_decode1")
-    return (f"{r['model']:<16} {r['impl']:<12} {r['quantization']:<8} {r['threads']:>3} {r['decode_ms']:>8.1f} "
+    return (f"{r['model']:<16} {r['impl']:<12} {r['quantization']:<10} {r['threads']:>3} {r['decode_ms']:>8.1f} "
             f"{r['tok_s']:>7.2f} {sc} {ratio if ratio is not None else '':>6} {r.get('weight_mb', ''):>7} "
             f"{r.get('bandwidth_bound_tok_s', ''):>6}")
 
@@ -213,7 +217,8 @@ def fmt_row(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--modes", default="bf16,int8,int4,w4a8", help="of bf16, int8, int4, int4-all, w4a8, w8a8")
+    ap.add_argument("--modes", default="bf16,int8,int4,w4a8",
+                    help="of bf16, bf16-torch, int8, int4, int4-all, w4a8, w8a8")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=7, help="rounds; each scores every n once per variant")
     ap.add_argument("--decode-tokens", type=int, default=42, help="decode steps per variant, over all rounds")

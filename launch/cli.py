@@ -90,6 +90,11 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                    help="run the workers as Ray actors (default: the engine's choice for the mode)")
     g.add_argument("--quantization", choices=("int8", "int4", "w4a8", "w8a8"),
                    help="int8/int4: weight-only linears; w4a8/w8a8: + int8 activations (AVX2 kernel, fastest on CPU)")
+    g.add_argument("--draft-quantization", choices=("same", "none", "int8", "int4", "w4a8", "w8a8"),
+                   help="the draft's quantisation (default: same as --quantization; the output stays lossless)")
+    g.add_argument("--linear-kernel", choices=("auto", "dense", "torch"),
+                   help="unquantised CPU linears: the dense C kernel (bf16/fp32 weights, batch invariant; the "
+                        "default where it builds) or torch's F.linear")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--log-json", action="store_true", help="log one JSON object per line")
 
@@ -207,6 +212,10 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[key] = v
     if args.quantization:
         kw["quantization"] = args.quantization
+    if args.draft_quantization:
+        kw["draft_quantization"] = None if args.draft_quantization == "none" else args.draft_quantization
+    if args.linear_kernel:
+        kw["linear_kernel"] = args.linear_kernel
     if args.ray is not None:
         kw["use_ray"] = args.ray
     if args.address:

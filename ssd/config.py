@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ssd.workers.models.dense import LINEAR_KERNELS
 from ssd.workers.models.quant import QUANT_MODES
 
 MODES = ("ar", "sd", "ngram", "ssd", "auto")
@@ -21,6 +22,10 @@ class Config:
     draft_device: str | None = None
     dtype: str = "bfloat16"
     quantization: str | None = None  # None, "int8"/"int4" (weight-only) or "w4a8"/"w8a8" (int8 activations, CPU)
+    # The draft's own quantisation ("same" = `quantization`): any draft keeps the output lossless,
+    # so a cheaper draft (e.g. w4a8 under a bf16 target) only changes the speed.
+    draft_quantization: str | None = "same"
+    linear_kernel: str = "auto"  # unquantised CPU linears: "dense" (C kernel, batch invariant), "torch", "auto"
     k: int | None = None  # draft length; None = chosen from measured latencies
     fanout: int | list[int] | None = None  # SSD budget B (int) or explicit F_0..F_K
     fanout_kind: str = "geometric"  # or "uniform"
@@ -54,5 +59,14 @@ class Config:
             raise ValueError("max_batch must be >= 1")
         if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):
             raise ValueError(f"unsupported dtype {self.dtype!r}; use bfloat16 or float32")
+        if self.draft_quantization == "same":
+            self.draft_quantization = self.quantization
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"unknown draft_quantization {self.draft_quantization!r}; use 'same', None or one of "
+                f"{', '.join(QUANT_MODES)}"
+            )
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; use one of {', '.join(LINEAR_KERNELS)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; use None or one of {', '.join(QUANT_MODES)}")

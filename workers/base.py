@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -33,24 +34,31 @@ def set_threads(num_threads: int | None, cpu_cores: list[int] | None) -> None:
 
 
 def build_model(
-    model: str | DecoderModel, dtype: torch.dtype, device: str, quantization: str | None = None
+    model: str | DecoderModel, dtype: torch.dtype, device: str, quantization: str | None = None,
+    linear_kernel: str = "auto",
 ) -> tuple[DecoderModel, object | None]:
     """A DecoderModel from an alias / path (loaded) or an already-built module (tests). Returns (model, tokenizer).
 
-    quantization ("int8" / "int4"): weight-only quantised linear layers (workers/models/quant.py). An
-    already-built module is quantised in place, from its weights in `dtype`.
+    quantization ("int8" / "int4" / "w4a8" / "w8a8"): quantised linear layers (workers/models/quant.py).
+    An already-built module is quantised in place, from its weights in `dtype`. linear_kernel: see
+    `workers.models.dense.apply_linear_kernel` (an already-built module is converted on a copy, so
+    the caller's module keeps its nn.Linear layers).
     """
+    from ssd.workers.models.dense import apply_linear_kernel
+
     if isinstance(model, DecoderModel):
         model = model.to(device=device, dtype=dtype).eval()
         if quantization is not None:
             from ssd.workers.models.quant import quantize_model
 
             quantize_model(model, quantization)
-        return model, None
+        elif linear_kernel != "torch" and any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+            model = copy.deepcopy(model)
+        return apply_linear_kernel(model, linear_kernel), None
     from ssd.workers.loader import load_model
 
     loaded = load_model(model, dtype=dtype, device=device, quantization=quantization)
-    return loaded.model, loaded.tokenizer
+    return apply_linear_kernel(loaded.model, linear_kernel), loaded.tokenizer
 
 
 class ModelWorker:
@@ -69,9 +77,11 @@ class ModelWorker:
         num_threads: int | None = None,
         cpu_cores: list[int] | None = None,
         quantization: str | None = None,
+        linear_kernel: str = "auto",
     ) -> None:
         set_threads(num_threads, cpu_cores)
         self.device = device
+        self.linear_kernel = linear_kernel
         self.model, self.tokenizer = self.load_model(model, parse_dtype(dtype), device, quantization)
         self.config = self.model.config
         self.runner = ModelRunner(self.model, max_slots=max_slots, max_len=max_len, device=device)
@@ -81,7 +91,7 @@ class ModelWorker:
         self, model: str | DecoderModel, dtype: torch.dtype, device: str, quantization: str | None
     ) -> tuple[DecoderModel, object | None]:
         """(model, tokenizer) this worker runs; a subclass may transform the model (tensor-parallel sharding)."""
-        return build_model(model, dtype, device, quantization)
+        return build_model(model, dtype, device, quantization, self.linear_kernel)
 
     def info(self) -> dict:
         cfg = self.config
@@ -91,6 +101,8 @@ class ModelWorker:
             "max_len": self.runner.max_len,
             "arch": cfg.arch,
             "num_threads": torch.get_num_threads(),
+            "linear_kernel": getattr(self.model, "linear_kernel", None) or getattr(self.model, "quantization", None)
+            or "torch",
         }
 
     def ping(self) -> bool:

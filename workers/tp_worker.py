@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ssd.workers.base import build_model
 from ssd.workers.messages import Draft, Outcome, SamplingSpec
 from ssd.workers.models.decoder import DecoderModel
+from ssd.workers.models.dense import apply_linear_kernel
 from ssd.workers.models.tensor_parallel import shard_model
 from ssd.workers.target_worker import TargetWorker
 
@@ -96,11 +97,11 @@ class TPTargetWorker(TargetWorker):
         # Unquantised on CUDA: load on the host and move only this rank's shard to the GPU, so a GPU
         # never holds the whole model. Quantised layers are built on their device (packing is per device).
         load_dev = "cpu" if str(device).startswith("cuda") and quantization is None else device
-        m, tok = build_model(model, dtype, load_dev, quantization)
+        m, tok = build_model(model, dtype, load_dev, quantization, linear_kernel="torch")
         shard_model(m, self.tp_rank, self.tp_size)
         if load_dev != device:
             m = m.to(device)
-        return m, tok
+        return apply_linear_kernel(m, self.linear_kernel), tok  # after sharding: shard_model slices nn.Linear
 
     def info(self) -> dict:
         return {**super().info(), "tp_rank": self.tp_rank, "tp_size": self.tp_size, "tp_backend": self.dist_backend,

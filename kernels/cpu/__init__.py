@@ -1,5 +1,6 @@
 """CPU kernels (``qgemm.cpp``, AVX2): block-quantised GEMM (int4 / int8 weights x int8 activations,
-per block of 32) and token-by-token attention over the KV cache for the batch-invariant path.
+per block of 32), a dense GEMM for unquantised fp32/bf16 weights (fp32 accumulation), RMSNorm and
+token-by-token attention over the KV cache, all row-independent (the batch-invariant path).
 
 The C++ source is compiled on first use with the system ``g++`` into the ssd cache directory
 (``$SSD_CACHE_DIR`` or ``~/.cache/ssd``, keyed by a hash of source and flags) and loaded with
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "QK", "RowPlan", "attend_rows", "available", "linear", "quantize_rows", "ref_attend_rows",
+    "QK", "RowPlan", "attend_rows", "available", "linear", "linear_dense", "quantize_rows", "ref_attend_rows",
     "ref_quantize_rows", "rmsnorm", "unavailable_reason",
 ]
 
@@ -89,7 +90,8 @@ def _lib() -> ctypes.CDLL | str:
     lib.ssd_linear.argtypes = [p, i, i, i, p, p, p, p, i, i]
     lib.ssd_rmsnorm.argtypes = [p, p, p, i, i, i, ctypes.c_float]
     lib.ssd_attend_rows.argtypes = [p, ctypes.c_int64, p, p, p, i, i, i, i, i, i, p, p, p, p, i]
-    for f in (lib.ssd_quantize_rows, lib.ssd_linear, lib.ssd_rmsnorm, lib.ssd_attend_rows):
+    lib.ssd_linear_dense.argtypes = [p, i, i, i, i, p, i, p, p, i]
+    for f in (lib.ssd_quantize_rows, lib.ssd_linear, lib.ssd_rmsnorm, lib.ssd_attend_rows, lib.ssd_linear_dense):
         f.restype = None
     lib.ssd_qgemm_max_blocks.restype = i
     return lib
@@ -162,6 +164,33 @@ def linear(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor | None) -> 
     _require().ssd_linear(
         x.data_ptr(), m, n, k, qweight.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(),
         y.data_ptr(), x.dtype == torch.bfloat16, torch.get_num_threads(),
+    )
+    return y
+
+
+def linear_dense(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias) with fp32 accumulation, in x's dtype.
+
+    weight fp32 or bf16 (bias in the weight's dtype), x fp32 or bf16, all contiguous CPU tensors.
+    Every output row gets the same bits whatever M is (see qgemm.cpp), unlike torch's GEMMs.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_dense: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    ok = (torch.float32, torch.bfloat16)
+    if x.dtype not in ok or weight.dtype not in ok or x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError(f"linear_dense: fp32/bf16 CPU tensors only, got x {x.dtype} on {x.device}, "
+                         f"weight {weight.dtype} on {weight.device}")
+    if not (x.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("linear_dense: x and weight must be contiguous")
+    bad_bias = bias is not None and (bias.dtype != weight.dtype or bias.shape != (weight.shape[0],))
+    if bad_bias or (bias is not None and not bias.is_contiguous()):
+        raise ValueError(f"linear_dense: bias must be a contiguous [{weight.shape[0]}] {weight.dtype} tensor")
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    _require().ssd_linear_dense(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), m, n, k, weight.data_ptr(), int(weight.dtype == torch.bfloat16),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
     )
     return y
 

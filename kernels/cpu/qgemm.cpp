@@ -169,6 +169,145 @@ void gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const
     }
 }
 
+
+// -- dense GEMM: fp32 or bf16 weights, fp32 accumulation -------------------------------------------
+//
+// y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] with one 8-lane fp32 accumulator per output, k in steps
+// of 8 (fp32 weights) or 16 (bf16), then hsum, then the k tail: a fixed order for a given K, so every
+// output row gets the same bits whatever M is (batch invariant). NR weight rows x MR activation rows
+// share one pass over K; that grouping changes how often a weight vector is loaded, never an output's
+// arithmetic.
+//
+// bf16 weights without shuffles: 16 bf16 loaded as 8 int32 give the even elements as fp32 by a
+// left shift of 16 and the odd ones by masking the low half, so x is stored de-interleaved per
+// 16 (8 even, then 8 odd; see deinterleave16) and each 16 weights cost a load, a shift and an and.
+
+constexpr int DK_BF16 = 16;
+constexpr int DK_F32 = 8;
+
+// Row of K activations -> fp32 in the order dense_tile reads it (bf16 weights: de-interleaved per 16).
+template <bool WBF16>
+inline void prepare_x_row(const void* x, int x_bf16, size_t at, int K, float* dst) {
+    for (int k = 0; k < K; ++k)
+        dst[k] = x_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[at + k]) : static_cast<const float*>(x)[at + k];
+    if (WBF16) {
+        float tmp[DK_BF16];
+        for (int k = 0; k + DK_BF16 <= K; k += DK_BF16) {
+            for (int j = 0; j < 8; ++j) {
+                tmp[j] = dst[k + 2 * j];
+                tmp[8 + j] = dst[k + 2 * j + 1];
+            }
+            memcpy(dst + k, tmp, sizeof(tmp));
+        }
+    }
+}
+
+template <bool WBF16>
+inline float load_w1(const void* w, size_t at) {
+    return WBF16 ? bf16_to_f32(static_cast<const uint16_t*>(w)[at]) : static_cast<const float*>(w)[at];
+}
+
+// Outputs n0..n0+NR-1 for activation rows m0..m0+MR-1 (xf: prepared fp32 [M, K]) into out[i * NR + j].
+template <bool WBF16, int NR, int MR>
+inline void dense_tile(const void* w, const float* xf, int n0, int m0, int K, float* out) {
+    constexpr int DK = WBF16 ? DK_BF16 : DK_F32;
+    __m256 acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+    const int Kv = K / DK * DK;
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    // The next tile's weights (contiguous, right after this tile's NR rows) are prefetched at the
+    // rate this tile consumes its own: short rows (K ~ 1000) otherwise leave the hardware
+    // prefetcher restarting on every row and the stream well below the memory bandwidth.
+    const char* next = reinterpret_cast<const char*>(w) + static_cast<size_t>(n0 + NR) * K * (WBF16 ? 2 : 4);
+    constexpr int step_bytes = NR * DK * (WBF16 ? 2 : 4);
+    for (int k = 0; k < Kv; k += DK) {
+        for (int p = 0; p < step_bytes; p += 64) _mm_prefetch(next + static_cast<size_t>(k / DK) * step_bytes + p, _MM_HINT_T0);
+        if (WBF16) {
+            __m256 xe[MR], xo[MR];
+            for (int i = 0; i < MR; ++i) {
+                xe[i] = _mm256_loadu_ps(xf + static_cast<size_t>(m0 + i) * K + k);
+                xo[i] = _mm256_loadu_ps(xf + static_cast<size_t>(m0 + i) * K + k + 8);
+            }
+            for (int j = 0; j < NR; ++j) {
+                const __m256i raw = _mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + static_cast<size_t>(n0 + j) * K + k));
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, hi_mask));
+                for (int i = 0; i < MR; ++i) {
+                    acc[i][j] = _mm256_fmadd_ps(we, xe[i], acc[i][j]);
+                    acc[i][j] = _mm256_fmadd_ps(wo, xo[i], acc[i][j]);
+                }
+            }
+        } else {
+            __m256 xv[MR];
+            for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(xf + static_cast<size_t>(m0 + i) * K + k);
+            for (int j = 0; j < NR; ++j) {
+                const __m256 wv = _mm256_loadu_ps(static_cast<const float*>(w) + static_cast<size_t>(n0 + j) * K + k);
+                for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) {
+            float s = hsum(acc[i][j]);
+            for (int k = Kv; k < K; ++k)
+                s += load_w1<WBF16>(w, static_cast<size_t>(n0 + j) * K + k) * xf[static_cast<size_t>(m0 + i) * K + k];
+            out[i * NR + j] = s;
+        }
+}
+
+template <bool WBF16, int NR, int MR>
+inline void dense_rows(const void* w, const float* xf, int n0, int n1, int M, int K, const float* bias, void* y,
+                       int y_bf16, int N) {
+    float part[MR * NR];
+    auto emit = [&](int nn, int m, float v) {
+        if (bias != nullptr) v += bias[nn];
+        const size_t at = static_cast<size_t>(m) * N + nn;
+        if (y_bf16)
+            static_cast<uint16_t*>(y)[at] = f32_to_bf16(v);
+        else
+            static_cast<float*>(y)[at] = v;
+    };
+    int n = n0;
+    for (; n + NR <= n1; n += NR) {
+        int m = 0;
+        for (; m + MR <= M; m += MR) {
+            dense_tile<WBF16, NR, MR>(w, xf, n, m, K, part);
+            for (int i = 0; i < MR; ++i)
+                for (int j = 0; j < NR; ++j) emit(n + j, m + i, part[i * NR + j]);
+        }
+        for (; m < M; ++m) {
+            dense_tile<WBF16, NR, 1>(w, xf, n, m, K, part);
+            for (int j = 0; j < NR; ++j) emit(n + j, m, part[j]);
+        }
+    }
+    for (; n < n1; ++n)
+        for (int m = 0; m < M; ++m) {
+            dense_tile<WBF16, 1, 1>(w, xf, n, m, K, part);
+            emit(n, m, part[0]);
+        }
+}
+
+template <bool WBF16>
+void dense_gemm(const void* w, const float* xf, const float* bias, int M, int N, int K, void* y, int y_bf16,
+                int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        // Split N in multiples of 8 so every thread keeps whole tiles.
+        const int tiles = (N + 7) / 8;
+        int n0 = static_cast<int>(static_cast<int64_t>(tiles) * t / nt) * 8;
+        int n1 = static_cast<int>(static_cast<int64_t>(tiles) * (t + 1) / nt) * 8;
+        n0 = n0 < N ? n0 : N;
+        n1 = n1 < N ? n1 : N;
+        if (M == 1)
+            dense_rows<WBF16, 8, 1>(w, xf, n0, n1, M, K, bias, y, y_bf16, N);
+        else
+            dense_rows<WBF16, 4, 2>(w, xf, n0, n1, M, K, bias, y, y_bf16, N);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -317,6 +456,31 @@ void ssd_attend_rows(const void* q, int64_t q_stride, const void* kc, const void
         }
         delete[] buf;
     }
+}
+
+// y [M, N] = x [M, K] @ w[N, K]^T (+ bias [N]): w fp32, or bf16 when w_bf16 (bias in w's dtype); x and
+// y share one dtype (bf16 when x_bf16). Math in fp32, rounded to y's dtype once per output.
+void ssd_linear_dense(const void* x, int x_bf16, int M, int N, int K, const void* w, int w_bf16, const void* bias,
+                      void* y, int nthreads) {
+    float* xf = static_cast<float*>(malloc(sizeof(float) * static_cast<size_t>(M) * K + 32));
+    for (int m = 0; m < M; ++m) {
+        const size_t at = static_cast<size_t>(m) * K;
+        if (w_bf16)
+            prepare_x_row<true>(x, x_bf16, at, K, xf + at);
+        else
+            prepare_x_row<false>(x, x_bf16, at, K, xf + at);
+    }
+    float* bf = nullptr;
+    if (bias != nullptr) {
+        bf = static_cast<float*>(malloc(sizeof(float) * N));
+        for (int n = 0; n < N; ++n) bf[n] = w_bf16 ? load_w1<true>(bias, n) : load_w1<false>(bias, n);
+    }
+    if (w_bf16)
+        dense_gemm<true>(w, xf, bf, M, N, K, y, x_bf16, nthreads);
+    else
+        dense_gemm<false>(w, xf, bf, M, N, K, y, x_bf16, nthreads);
+    free(xf);
+    free(bf);
 }
 
 }  // extern "C"

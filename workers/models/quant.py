@@ -388,9 +388,12 @@ def _concat(mods: list[_QuantLinear]) -> _QuantLinear | None:
     """One layer computing the given layers' outputs side by side (same input), or None if they differ in kind."""
     first = mods[0]
     from ssd.workers.models.blockquant import _BlockLinear, concat_block_linears
+    from ssd.workers.models.dense import DenseLinear, concat_dense
 
     if isinstance(first, _BlockLinear):
         return concat_block_linears(mods)  # type: ignore[arg-type]
+    if isinstance(first, DenseLinear):
+        return concat_dense(mods)  # type: ignore[arg-type]
     same = all(type(m) is type(first) and m.in_features == first.in_features for m in mods)
     if isinstance(first, Int4Linear):
         same = same and all(m.group_size == first.group_size for m in mods)  # type: ignore[attr-defined]
