@@ -4,7 +4,9 @@ SSD hides the draft only if its per-round work fits inside one verification:
     t_spec(K, B) ~ t_draft(K + 1 chain tokens) + K * t_draft(B sibling tokens)  <=  t_verify(K + 1)
 Among the (K, B) that fit, take the one with the most expected tokens per second (model hit rate
 from the geometric fan-out at a prior acceptance rate); plain SD maximises
-E_tokens(K) / (K * t_draft(1) + t_verify(K + 1)).
+E_tokens(K) / (K * t_draft(1) + t_verify(K + 1)), and `KTuner` re-chooses that K every round
+from the acceptance observed so far (the prior is only a starting point: code drafts are accepted
+~99 % of the time, prose far less).
 """
 
 from __future__ import annotations
@@ -29,6 +31,38 @@ class AutoConfig:
     budget: int
     t_verify: dict[int, float]
     t_draft: dict[int, float]
+    t_draft1: float = 0.0
+
+
+@dataclass
+class KTuner:
+    """Plain SD's draft length, re-chosen from observed acceptance with the start-up latencies.
+
+    Per-token acceptance is estimated from rounds as successes / (successes + failures) — a round
+    that accepts n of k drafts is n successes and, if n < k, one failure — with old rounds decayed
+    and PRIOR_ACCEPTANCE worth `prior_weight` tokens, so a few rounds cannot swing K.
+    """
+
+    t_verify: dict[int, float]
+    t_draft1: float
+    prior_weight: float = 4.0
+    decay: float = 0.9
+    successes: float = 0.0
+    failures: float = 0.0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.successes = self.decay * self.successes + accepted
+        self.failures = self.decay * self.failures + (1.0 if accepted < drafted else 0.0)
+
+    @property
+    def acceptance(self) -> float:
+        w = self.prior_weight
+        return (self.successes + w * PRIOR_ACCEPTANCE) / (self.successes + self.failures + w)
+
+    def choose(self) -> int:
+        return _choose_sd(self.t_verify, self.t_draft1, self.acceptance)
 
 
 def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float) -> int:
@@ -59,8 +93,9 @@ def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool) -> AutoC
     t_branch = {n: draft.call("time_forward", n, 128, True).result() for n in sizes} if ssd else {1: t_chain[ns[0]]}
     if ssd:
         k, b = _choose_ssd(t_verify, t_chain, t_branch, PRIOR_ACCEPTANCE)
-    else:
-        k, b = _choose_sd(t_verify, draft.call("time_forward", 1).result(), PRIOR_ACCEPTANCE), 0
+    t_draft1 = draft.call("time_forward", 1).result()
+    if not ssd:
+        k, b = _choose_sd(t_verify, t_draft1, PRIOR_ACCEPTANCE), 0
     log.info("auto-config: k=%d budget=%d (verify %s ms)", k, b,
              {n: round(t * 1e3, 1) for n, t in t_verify.items()})
-    return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch)
+    return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch, t_draft1=t_draft1)

@@ -128,3 +128,39 @@ def test_expected_tokens():
     assert expected_tokens(0.0, 4) == pytest.approx(1.0)
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
     assert math.isfinite(expected_tokens(1.0, 4))
+
+
+# -- auto-configured K: the SD tuner ---------------------------------------------------------------
+
+CHEAP_VERIFY = {n: 0.10 + 0.005 * n for n in range(2, 10)}  # verification nearly flat in n (GPU-like)
+
+
+def test_k_tuner_grows_k_when_drafts_are_accepted_and_shrinks_it_when_not():
+    from ssd.autoconfig import K_CHOICES, PRIOR_ACCEPTANCE, KTuner, _choose_sd
+
+    tuner = KTuner(CHEAP_VERIFY, t_draft1=0.02)
+    assert tuner.acceptance == pytest.approx(PRIOR_ACCEPTANCE)
+    assert tuner.choose() == _choose_sd(CHEAP_VERIFY, 0.02, PRIOR_ACCEPTANCE)
+    for _ in range(30):
+        tuner.observe(drafted=tuner.choose(), accepted=tuner.choose())  # everything accepted
+    assert tuner.acceptance > 0.95 and tuner.choose() == max(K_CHOICES)
+    for _ in range(30):
+        tuner.observe(drafted=tuner.choose(), accepted=0)
+    assert tuner.acceptance < 0.5 and tuner.choose() == min(K_CHOICES)
+    tuner.observe(drafted=0, accepted=0)  # an empty draft says nothing
+    assert tuner.acceptance < 0.5
+
+
+def test_sd_with_auto_k_tunes_and_stays_exact(models, ar_outputs):
+    from tiny_models import GREEDY, PROMPTS
+
+    from ssd import LLM
+
+    with LLM(target=models[0], draft=models[0], mode="sd", dtype="float32", max_batch=3, max_len=160) as llm:
+        tuner = llm.engine.mode.tuner
+        assert tuner is not None
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_outputs
+        assert tuner.acceptance > 0.9  # draft == target: every draft accepted
+        assert llm.stats()["k"] == tuner.choose()
+    with LLM(target=models[0], draft=models[1], mode="sd", k=3, dtype="float32", max_len=160) as llm:
+        assert llm.engine.mode.tuner is None  # a K the user fixed stays fixed

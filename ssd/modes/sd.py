@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from ssd.autoconfig import KTuner
 from ssd.handles import WorkerDied, WorkerHandle
 from ssd.modes.base import Mode, spec_of
 from ssd.modes.recovery import DraftBackedMode
@@ -18,6 +19,10 @@ class SDMode(DraftBackedMode):
     """Draft proposes, target verifies (draft failures: see DraftBackedMode)."""
 
     name = "sd"
+
+    def __init__(self, target: WorkerHandle, draft: WorkerHandle, k: int = 4, tuner: KTuner | None = None) -> None:
+        super().__init__(target, draft, k)
+        self.tuner = tuner  # when K was auto-configured: re-chosen every round from observed acceptance
 
     def round(self, seqs: list[Sequence]) -> list[Outcome]:
         if self.draft_down is not None and not self._draft_back():
@@ -35,6 +40,10 @@ class SDMode(DraftBackedMode):
         for o in outcomes:
             self.draft.call("commit", o.seq_id, o.tokens)  # ordered on the draft's queue; no wait
         self._record(seqs, drafts, outcomes, "sd")
+        if self.tuner is not None:
+            for d, o in zip(drafts, outcomes):
+                self.tuner.observe(len(d.tokens), o.num_accepted)
+            self.k = self.tuner.choose()
         return outcomes
 
 
