@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from tiny_models import random_model
+from tiny_models import greedy_tokens, random_model
 
 from ssd import LLM, SamplingParams
 from ssd.workers.model_runner import ModelRunner
@@ -116,17 +116,6 @@ def test_tree_block_equals_decoding_each_path(mode):
         assert torch.equal(tree[i], alone[-1]), f"node {i}"
 
 
-def greedy(model, prompt, n):
-    r = ModelRunner(model, max_slots=1, max_len=512)
-    s = r.allocate()
-    out, nxt = [], prompt
-    for _ in range(n):
-        t = int(torch.argmax(r.forward([s], [nxt], last_only=True)[0]))
-        out.append(t)
-        nxt = [t]
-    return out
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_greedy_ar_matches_reference_path(mode):
     """Fused kernels vs the same quantised weights through fp32 dequantise + F.linear, token for token.
@@ -138,9 +127,9 @@ def test_greedy_ar_matches_reference_path(mode):
     model = tiny(mode, torch.float32, vocab=256, scale=4.0)
     for seed in range(2):
         prompt = tokens(12, seed=10 + seed, vocab=256)
-        fused = greedy(model, prompt, 24)
+        fused = greedy_tokens(model, prompt, 24)
         with reference_mode(model):
-            ref = greedy(model, prompt, 24)
+            ref = greedy_tokens(model, prompt, 24)
         assert fused == ref
 
 

@@ -5,11 +5,10 @@ model-level swap (tied head stays tied, fused projections, greedy output == the 
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import random_model
+from tiny_models import greedy_tokens, random_model
 
 from ssd import LLM, SamplingParams
 from ssd.kernels import cpu as qk
-from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.dense import DenseLinear, apply_linear_kernel, use_dense_kernels
 from ssd.workers.models.quant import reference_mode
 
@@ -87,25 +86,14 @@ def test_model_swap_keeps_weights_shared_and_fuses():
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
 
 
-def greedy(model, prompt, n):
-    r = ModelRunner(model, max_slots=1, max_len=256)
-    s = r.allocate()
-    out, nxt = [], prompt
-    for _ in range(n):
-        t = int(torch.argmax(r.forward([s], [nxt], last_only=True)[0]))
-        out.append(t)
-        nxt = [t]
-    return out
-
-
 def test_greedy_matches_reference_path_and_torch_model():
     base = tiny(torch.float32)
     prompt = list(range(3, 15))
-    want = greedy(base, prompt, 24)  # torch F.linear, unfused
+    want = greedy_tokens(base, prompt, 24)  # torch F.linear, unfused
     model = use_dense_kernels(tiny(torch.float32))
-    assert greedy(model, prompt, 24) == want
+    assert greedy_tokens(model, prompt, 24) == want
     with reference_mode(model):
-        assert greedy(model, prompt, 24) == want
+        assert greedy_tokens(model, prompt, 24) == want
 
 
 def test_apply_linear_kernel_choices():

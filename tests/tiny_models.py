@@ -97,3 +97,17 @@ def random_model(
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
         model.lm_head.weight.mul_(scale)
     return model.eval()
+
+
+def greedy_tokens(model: DecoderModel, prompt: list[int], n: int, max_len: int = 512) -> list[int]:
+    """n greedy tokens straight from a ModelRunner (prompt in one forward, then one token per forward)."""
+    from ssd.workers.model_runner import ModelRunner
+
+    r = ModelRunner(model, max_slots=1, max_len=max_len)
+    s = r.allocate()
+    out, nxt = [], prompt
+    for _ in range(n):
+        t = int(torch.argmax(r.forward([s], [nxt], last_only=True)[0]))
+        out.append(t)
+        nxt = [t]
+    return out

@@ -81,12 +81,7 @@ class _BlockLinear(_QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_reference:
             return self.ref_forward(x)
-        x2 = x.reshape(-1, self.in_features)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        if x2.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"{type(self).__name__}: activations must be fp32 or bf16, got {x2.dtype}")
-        y = self._kernel(x2)
+        y = self._kernel(self._kernel_rows(x))
         if self.bias is not None:
             y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)

@@ -61,12 +61,7 @@ class DenseLinear(_QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_reference:
             return self.ref_forward(x)
-        x2 = x.reshape(-1, self.in_features)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        if x2.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"DenseLinear: activations must be fp32 or bf16, got {x2.dtype}")
-        y = cpu_kernels.linear_dense(x2, self.weight.detach(), self.bias)
+        y = cpu_kernels.linear_dense(self._kernel_rows(x), self.weight.detach(), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -87,6 +87,15 @@ class _QuantLinear(nn.Module):
         w = self._ref_weight if self._ref_weight is not None else self.dequantize()
         return F.linear(x.float(), w, b).to(x.dtype)
 
+    def _kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] as the contiguous fp32/bf16 [M, K] matrix the C kernels take."""
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{type(self).__name__}: activations must be fp32 or bf16, got {x2.dtype}")
+        return x2
+
     @property
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
