@@ -33,7 +33,8 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     target = write_model_dir(root / "target", seed=0)
     draft = write_model_dir(root / "draft", seed=5)
-    llm = LLM(target=str(target), draft=str(draft), mode="sd", dtype="float32", max_batch=8, max_len=256)
+    # k fixed and small: the disconnect test needs generation still running after two streamed chunks.
+    llm = LLM(target=str(target), draft=str(draft), mode="sd", k=2, dtype="float32", max_batch=8, max_len=256)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     expected = {p: o for p, o in zip(PROMPTS, llm.generate(PROMPTS, greedy), strict=True)}
     chat_msgs = [{"role": "user", "content": "write fib"}]

@@ -13,6 +13,27 @@ import torch
 from ssd.workers.models.decoder import DecoderModel
 
 
+def _unfused(model: DecoderModel) -> dict[str, torch.Tensor]:
+    """The state dict with fused qkv_proj / gate_up_proj (dense kernel) split back into views of q/k/v, gate/up."""
+    cfg = model.config
+    hd = cfg.head_dim
+    qkv = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith("self_attn.qkv_proj"):
+            base = prefix.removesuffix("qkv_proj")
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split(qkv), strict=True):
+                out[f"{base}{part}.{leaf}"] = piece
+        elif prefix.endswith("mlp.gate_up_proj"):
+            base = prefix.removesuffix("gate_up_proj")
+            for part, piece in zip(("gate_proj", "up_proj"), t.chunk(2), strict=True):
+                out[f"{base}{part}.{leaf}"] = piece
+        else:
+            out[name] = t
+    return out
+
+
 def to_transformers(model: DecoderModel) -> Any:
     import transformers
 
@@ -32,7 +53,7 @@ def to_transformers(model: DecoderModel) -> Any:
     hf_cfg = cls_cfg(**common)
     with torch.device("meta"):
         hf = cls_model(hf_cfg)
-    sd = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in model.state_dict().items()}
+    sd = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in _unfused(model).items()}
     missing, _ = hf.load_state_dict(sd, assign=True, strict=False)
     tied = cfg.tie_word_embeddings
     missing = [m for m in missing if not m.endswith("inv_freq") and not (tied and m == "lm_head.weight")]
