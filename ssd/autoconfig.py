@@ -31,7 +31,7 @@ class AutoConfig:
     budget: int
     t_verify: dict[int, float]
     t_draft: dict[int, float]
-    t_draft1: float = 0.0
+    t_draft1: float = 0.0  # one plain draft step (measured for plain SD only)
 
 
 @dataclass
@@ -91,10 +91,11 @@ def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool) -> AutoC
     t_chain = {n: draft.call("time_forward", n).result() for n in ns}
     sizes = sorted({1} | {p * (k + 1) for k in K_CHOICES for p in (1, 2, 3, 4)})
     t_branch = {n: draft.call("time_forward", n, 128, True).result() for n in sizes} if ssd else {1: t_chain[ns[0]]}
+    t_draft1 = 0.0
     if ssd:
         k, b = _choose_ssd(t_verify, t_chain, t_branch, PRIOR_ACCEPTANCE)
-    t_draft1 = draft.call("time_forward", 1).result()
-    if not ssd:
+    else:  # one draft step feeds plain SD's choice (and its per-round KTuner); SSD does not use it
+        t_draft1 = draft.call("time_forward", 1).result()
         k, b = _choose_sd(t_verify, t_draft1, PRIOR_ACCEPTANCE), 0
     log.info("auto-config: k=%d budget=%d (verify %s ms)", k, b,
              {n: round(t * 1e3, 1) for n, t in t_verify.items()})
