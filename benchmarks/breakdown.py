@@ -22,7 +22,7 @@ from ssd.workers.loader import load_model
 from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.dense import use_dense_kernels
 
-KERNELS = ("linear", "linear_dense", "attend_rows", "rmsnorm")
+KERNELS = ("decoder_layers", "linear", "linear_dense", "attend_rows", "rmsnorm", "silu_mul")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,15 +4,15 @@ SSD hides the draft only if its per-round work fits inside one verification:
     t_spec(K, B) ~ t_draft(K + 1 chain tokens) + K * t_draft(B sibling tokens)  <=  t_verify(K + 1)
 Among the (K, B) that fit, take the one with the most expected tokens per second (model hit rate
 from the geometric fan-out at a prior acceptance rate); plain SD maximises
-E_tokens(K) / (K * t_draft(1) + t_verify(K + 1)), and `KTuner` re-chooses that K every round
-from the acceptance observed so far (the prior is only a starting point: code drafts are accepted
-~99 % of the time, prose far less).
+E_tokens(K) / (K * t_draft(1) + t_verify(K + 1)). `KTuner` (SD) and `SSDTuner` (SSD: K and B)
+re-choose every round from the acceptance observed so far (the prior is only a starting point: code
+drafts are accepted ~99 % of the time, prose far less).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ssd.fanout import expected_hit_rate, geometric_fanout
 from ssd.handles import WorkerHandle
@@ -32,19 +32,15 @@ class AutoConfig:
     t_verify: dict[int, float]
     t_draft: dict[int, float]
     t_draft1: float = 0.0  # one plain draft step (measured for plain SD only)
+    t_chain: dict[int, float] = field(default_factory=dict)  # the draft scoring n chain tokens (SSD)
 
 
 @dataclass
-class KTuner:
-    """Plain SD's draft length, re-chosen from observed acceptance with the start-up latencies.
+class _AcceptanceCounts:
+    """Per-token acceptance from rounds as successes / (successes + failures) — a round that accepts n
+    of k drafts is n successes and, if n < k, one failure — with old rounds decayed and
+    PRIOR_ACCEPTANCE worth `prior_weight` tokens, so a few rounds cannot swing K."""
 
-    Per-token acceptance is estimated from rounds as successes / (successes + failures) — a round
-    that accepts n of k drafts is n successes and, if n < k, one failure — with old rounds decayed
-    and PRIOR_ACCEPTANCE worth `prior_weight` tokens, so a few rounds cannot swing K.
-    """
-
-    t_verify: dict[int, float]
-    t_draft1: float
     prior_weight: float = 4.0
     decay: float = 0.9
     successes: float = 0.0
@@ -61,8 +57,31 @@ class KTuner:
         w = self.prior_weight
         return (self.successes + w * PRIOR_ACCEPTANCE) / (self.successes + self.failures + w)
 
+
+@dataclass
+class KTuner(_AcceptanceCounts):
+    """Plain SD's draft length, re-chosen every round from observed acceptance and start-up latencies."""
+
+    t_verify: dict[int, float] = field(default_factory=dict)
+    t_draft1: float = 0.0
+
     def choose(self) -> int:
         return _choose_sd(self.t_verify, self.t_draft1, self.acceptance)
+
+
+@dataclass
+class SSDTuner(_AcceptanceCounts):
+    """SSD's draft length and fan-out budget, re-chosen every round like `KTuner`, with SSD's cost model
+    (the next speculation must fit inside a verification to stay off the critical path). The outcome
+    cache holds one round, and each request carries its own K and fan-out, so K may change between
+    rounds without losing a prepared speculation."""
+
+    t_verify: dict[int, float] = field(default_factory=dict)
+    t_chain: dict[int, float] = field(default_factory=dict)
+    t_branch: dict[int, float] = field(default_factory=dict)
+
+    def choose(self) -> tuple[int, int]:
+        return _choose_ssd(self.t_verify, self.t_chain, self.t_branch, self.acceptance)
 
 
 def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float) -> int:
@@ -99,4 +118,4 @@ def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool) -> AutoC
         k, b = _choose_sd(t_verify, t_draft1, PRIOR_ACCEPTANCE), 0
     log.info("auto-config: k=%d budget=%d (verify %s ms)", k, b,
              {n: round(t * 1e3, 1) for n, t in t_verify.items()})
-    return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch, t_draft1=t_draft1)
+    return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch, t_draft1=t_draft1, t_chain=t_chain)

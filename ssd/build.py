@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ssd.autoconfig import K_CHOICES, KTuner, autoconfigure
+from ssd.autoconfig import K_CHOICES, KTuner, SSDTuner, autoconfigure
 from ssd.config import Config
 from ssd.engine import Engine
 from ssd.fanout import FanoutPlanner
@@ -41,14 +41,17 @@ def draft_headroom(cfg: Config) -> int:
 
 
 def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, vocab_size: int) -> Mode:
-    tuner = None
+    tuner: KTuner | None = None
+    ssd_tuner: SSDTuner | None = None
     if cfg.k is None and draft is not None and cfg.mode in ("sd", "ssd", "auto"):
         ac = autoconfigure(target, draft, ssd=cfg.mode != "sd")
         cfg.k = ac.k
+        if cfg.mode == "sd":
+            tuner = KTuner(t_verify=ac.t_verify, t_draft1=ac.t_draft1)
+        elif cfg.fanout is None:  # K and B both auto: re-chosen every round (a user's fan-out stays)
+            ssd_tuner = SSDTuner(t_verify=ac.t_verify, t_chain=ac.t_chain, t_branch=ac.t_draft)
         if cfg.fanout is None and ac.budget:
             cfg.fanout = ac.budget
-        if cfg.mode == "sd":  # SSD's K shapes its outcome cache and fan-out: fixed once chosen
-            tuner = KTuner(ac.t_verify, ac.t_draft1)
     k = cfg.k or DEFAULT_K
     if cfg.mode == "ar" or (cfg.mode == "auto" and draft is None):
         return ARMode(target, k=k)
@@ -60,6 +63,7 @@ def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, voc
     return SSDMode(
         target, draft, k, make_fanout_planner(cfg, k), backup=cfg.backup,
         allowed=policy_options(cfg.mode, cfg.backup), vocab_size=vocab_size, ngram_max=cfg.ngram_max,
+        tuner=ssd_tuner,
     )
 
 

@@ -111,9 +111,13 @@ class FanoutPlanner:
         for key in [k for k in self._a if k[0] == seq_id]:
             del self._a[key]
 
-    def plan(self, seq_id: int, source: str) -> list[int]:
+    def plan(self, seq_id: int, source: str, k: int | None = None) -> list[int]:
+        """F_0..F_K; with `k` (a draft of another length than K) F_0..F_k, the budget scaled to k + 1 positions."""
         if self.explicit is not None:
             return list(self.explicit)
+        K, B = self.K, self.B
+        if k is not None and k != K:
+            K, B = k, max(k + 1, round(B * (k + 1) / (K + 1)))
         if self.kind == "uniform":
-            return uniform_fanout(self.K, self.B)
-        return geometric_fanout(self.acceptance(seq_id, source), self.r, self.K, self.B)
+            return uniform_fanout(K, B)
+        return geometric_fanout(self.acceptance(seq_id, source), self.r, K, B)

@@ -138,7 +138,7 @@ CHEAP_VERIFY = {n: 0.10 + 0.005 * n for n in range(2, 10)}  # verification nearl
 def test_k_tuner_grows_k_when_drafts_are_accepted_and_shrinks_it_when_not():
     from ssd.autoconfig import K_CHOICES, PRIOR_ACCEPTANCE, KTuner, _choose_sd
 
-    tuner = KTuner(CHEAP_VERIFY, t_draft1=0.02)
+    tuner = KTuner(t_verify=CHEAP_VERIFY, t_draft1=0.02)
     assert tuner.acceptance == pytest.approx(PRIOR_ACCEPTANCE)
     assert tuner.choose() == _choose_sd(CHEAP_VERIFY, 0.02, PRIOR_ACCEPTANCE)
     for _ in range(30):
@@ -149,6 +149,47 @@ def test_k_tuner_grows_k_when_drafts_are_accepted_and_shrinks_it_when_not():
     assert tuner.acceptance < 0.5 and tuner.choose() == min(K_CHOICES)
     tuner.observe(drafted=0, accepted=0)  # an empty draft says nothing
     assert tuner.acceptance < 0.5
+
+
+def test_ssd_tuner_grows_k_when_drafts_are_accepted_and_shrinks_it_when_not():
+    from ssd.autoconfig import K_CHOICES, PRIOR_ACCEPTANCE, SSDTuner, _choose_ssd
+
+    chain = {n: 0.010 + 0.001 * n for n in range(1, 40)}  # a draft far faster than the target
+    branch = {n: 0.005 + 0.0005 * n for n in range(1, 40)}
+    tuner = SSDTuner(t_verify=CHEAP_VERIFY, t_chain=chain, t_branch=branch)
+    assert tuner.choose() == _choose_ssd(CHEAP_VERIFY, chain, branch, PRIOR_ACCEPTANCE)
+    for _ in range(30):
+        k, _ = tuner.choose()
+        tuner.observe(drafted=k, accepted=k)
+    k, b = tuner.choose()
+    assert k == max(K_CHOICES) and b >= k + 1
+    for _ in range(30):
+        tuner.observe(drafted=tuner.choose()[0], accepted=0)
+    assert tuner.choose()[0] == min(K_CHOICES)
+
+
+def test_planner_plans_for_a_draft_of_another_length():
+    planner = FanoutPlanner(K=4, B=10)
+    assert sum(planner.plan(0, "primary")) == 10 and len(planner.plan(0, "primary")) == 5
+    short = planner.plan(0, "primary", k=1)
+    assert len(short) == 2 and sum(short) == 4  # budget scaled to 2 of 5 positions
+    long = planner.plan(0, "primary", k=6)
+    assert len(long) == 7 and sum(long) == 14
+
+
+def test_ssd_with_auto_k_tunes_and_stays_exact(models, ar_outputs):
+    from tiny_models import GREEDY, PROMPTS
+
+    from ssd import LLM
+
+    with LLM(target=models[0], draft=models[0], mode="ssd", dtype="float32", max_batch=3, max_len=160) as llm:
+        mode = llm.engine.mode
+        assert mode.tuner is not None
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_outputs
+        assert mode.tuner.acceptance > 0.9  # draft == target: every draft accepted
+        assert (mode.k, mode.planner.B) == mode.tuner.choose()
+    with LLM(target=models[0], draft=models[1], mode="ssd", fanout=6, dtype="float32", max_len=160) as llm:
+        assert llm.engine.mode.tuner is None  # a fan-out the user fixed keeps K fixed too
 
 
 def test_sd_with_auto_k_tunes_and_stays_exact(models, ar_outputs):

@@ -1,8 +1,9 @@
 """CPU kernels (``qgemm.cpp``, AVX2): block-quantised GEMM (int4 / int8 weights x int8 activations,
 per block of 32), a dense GEMM for unquantised fp32/bf16 weights (fp32 accumulation), RMSNorm and
-token-by-token attention over the KV cache, all row-independent (the batch-invariant path).
+token-by-token attention over the KV cache, all row-independent (the batch-invariant path); and
+(``decoder_layer.cpp``) SiLU * up and whole decoder layers built from those kernels in one call.
 
-The C++ source is compiled on first use with the system ``g++`` into the ssd cache directory
+The C++ sources are compiled on first use with the system ``g++`` into the ssd cache directory
 (``$SSD_CACHE_DIR`` or ``~/.cache/ssd``, keyed by a hash of source and flags) and loaded with
 ctypes. ``available()`` says whether that works here; ``unavailable_reason()`` says why not
 (no AVX2/FMA/F16C, no compiler). Nothing falls back silently: the layers that use these kernels
@@ -29,16 +30,19 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "QK", "RowPlan", "attend_rows", "available", "linear", "linear_dense", "quantize_rows", "ref_attend_rows",
-    "ref_quantize_rows", "rmsnorm", "unavailable_reason",
+    "QK", "LayerDesc", "LinearDesc", "RowPlan", "attend_rows", "available", "decoder_layers", "linear", "linear_dense",
+    "quantize_rows", "ref_attend_rows", "ref_quantize_rows", "rmsnorm", "silu_mul", "unavailable_reason",
 ]
 
 QK = 32  # weights and activations are quantised in blocks of 32 along K
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
-def source_path() -> Path:
-    return Path(__file__).with_name("qgemm.cpp")
+SOURCES = ("qgemm.cpp", "decoder_layer.cpp")  # compiled together into one library (common.h shared)
+
+
+def _sources() -> list[Path]:
+    return [Path(__file__).with_name(name) for name in SOURCES]
 
 
 def _cpu_flags() -> set[str]:
@@ -57,10 +61,10 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path:
-    src = source_path().read_bytes()
+    src = b"".join(p.read_bytes() for p in [*_sources(), Path(__file__).with_name("common.h")])
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        raise RuntimeError("no C++ compiler (g++) on PATH to build the block-quantised CPU kernel")
+        raise RuntimeError("no C++ compiler (g++) on PATH to build the CPU kernels")
     tag = hashlib.sha256(src + " ".join((cxx, *_FLAGS)).encode()).hexdigest()[:16]
     out = _cache_dir() / f"qgemm-{tag}.so"
     if out.is_file():
@@ -68,10 +72,10 @@ def _build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    proc = subprocess.run([cxx, *_FLAGS, "-o", tmp, str(source_path())], capture_output=True, text=True)
+    proc = subprocess.run([cxx, *_FLAGS, "-o", tmp, *map(str, _sources())], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"building {source_path().name} failed:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"building {', '.join(SOURCES)} failed:\n{proc.stderr[-2000:]}")
     os.replace(tmp, out)  # atomic: concurrent builders (Ray workers) never load a half-written file
     return out
 
@@ -91,7 +95,12 @@ def _lib() -> ctypes.CDLL | str:
     lib.ssd_rmsnorm.argtypes = [p, p, p, i, i, i, ctypes.c_float]
     lib.ssd_attend_rows.argtypes = [p, ctypes.c_int64, p, p, p, i, i, i, i, i, i, p, p, p, p, i]
     lib.ssd_linear_dense.argtypes = [p, i, i, i, i, p, i, p, p, i]
-    for f in (lib.ssd_quantize_rows, lib.ssd_linear, lib.ssd_rmsnorm, lib.ssd_attend_rows, lib.ssd_linear_dense):
+    lib.ssd_silu_mul.argtypes = [p, p, i, i, i, i]
+    lib.ssd_decoder_layers.argtypes = [
+        p, i, p, i, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, p, i,
+    ]
+    for f in (lib.ssd_quantize_rows, lib.ssd_linear, lib.ssd_rmsnorm, lib.ssd_attend_rows, lib.ssd_linear_dense,
+              lib.ssd_silu_mul, lib.ssd_decoder_layers):
         f.restype = None
     lib.ssd_qgemm_max_blocks.restype = i
     return lib
@@ -265,3 +274,69 @@ def ref_attend_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: RowPlan) 
         qr = q[j].float().view(hkv, h // hkv, hd)
         out[j] = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr).reshape(h, hd).to(q.dtype)
     return out
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [..., 2I] (contiguous fp32/bf16) -> silu(gate) * up [..., I], each op rounded as in torch."""
+    if gate_up.dtype not in (torch.float32, torch.bfloat16) or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_mul: contiguous fp32/bf16 [..., 2I] expected, got {gate_up.dtype} "
+                         f"{tuple(gate_up.shape)}")
+    i2 = gate_up.shape[-1]
+    out = torch.empty(*gate_up.shape[:-1], i2 // 2, dtype=gate_up.dtype)
+    _require().ssd_silu_mul(gate_up.data_ptr(), out.data_ptr(), int(gate_up.dtype == torch.bfloat16),
+                            gate_up.numel() // i2, i2 // 2, torch.get_num_threads())
+    return out
+
+
+class LinearDesc(ctypes.Structure):
+    """One linear layer for ssd_decoder_layers: kind 0 dense (fp32/bf16 weight), 1 block q4, 2 block q8."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("w_bf16", ctypes.c_int32),
+                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
+
+
+class LayerDesc(ctypes.Structure):
+    """One decoder layer for ssd_decoder_layers (pointers into tensors the caller keeps alive)."""
+
+    _fields_ = [("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
+                ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+@dataclass
+class LayerDims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    max_len: int
+    eps: float
+
+
+def decoder_layers(layers: ctypes.Array, dims: LayerDims, x: Tensor, cos: Tensor, sin: Tensor, w_slot: Tensor,
+                   w_pos: Tensor, plan: RowPlan) -> Tensor:
+    """x [T, D] (updated in place and returned) through every layer of `layers` (LayerDesc array).
+
+    cos/sin [T, hd] in x's dtype; w_slot/w_pos int32 [T]: where each token's keys and values go;
+    plan: the tokens' attention (one entry per token, same order). The caller checks the
+    descriptors against the model once (ssd.workers.models.fused); this checks the per-call tensors.
+    """
+    t, d = x.shape
+    hd = dims.head_dim
+    ok = x.dtype in (torch.float32, torch.bfloat16) and d == dims.hidden and x.is_contiguous()
+    ok = ok and cos.shape == (t, hd) and sin.shape == (t, hd) and cos.dtype == x.dtype == sin.dtype
+    ok = ok and cos.is_contiguous() and sin.is_contiguous() and hd <= 512 and hd % 2 == 0
+    ok = ok and w_slot.dtype == w_pos.dtype == torch.int32 and w_slot.numel() == t == w_pos.numel()
+    ok = ok and plan.slot.numel() == t
+    if not ok:
+        raise ValueError(f"decoder_layers: x {x.dtype} {tuple(x.shape)}, cos {tuple(cos.shape)}, "
+                         f"{w_slot.numel()} write positions, {plan.slot.numel()} attention rows")
+    _require().ssd_decoder_layers(
+        ctypes.cast(layers, ctypes.c_void_p), len(layers), x.data_ptr(), int(x.dtype == torch.bfloat16), t, d,
+        dims.heads, dims.kv_heads, hd, dims.intermediate, dims.max_len, dims.eps, cos.data_ptr(), sin.data_ptr(),
+        w_slot.data_ptr(), w_pos.data_ptr(), plan.slot.data_ptr(), plan.length.data_ptr(), plan.off.data_ptr(),
+        plan.idx.data_ptr(), torch.get_num_threads(),
+    )
+    return x

@@ -23,26 +23,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 namespace {
 
 constexpr int QK = 32;
 constexpr int MAX_BLOCKS = 4096;  // K <= 131072
 constexpr int MC = 8;             // rows sharing one unpacked weight block
-
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = static_cast<uint32_t>(h) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

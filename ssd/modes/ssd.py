@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ssd.autoconfig import SSDTuner
 from ssd.fanout import FanoutPlanner
 from ssd.handles import WorkerDied, WorkerHandle
 from ssd.modes.recovery import DraftBackedMode
@@ -50,9 +51,11 @@ class SSDMode(DraftBackedMode):
         allowed: tuple[str, ...] = ("ssd_neural", "ssd_fast"),
         vocab_size: int,
         ngram_max: int = 4,
+        tuner: SSDTuner | None = None,
     ) -> None:
         super().__init__(target, draft, k)
         self.planner = planner
+        self.tuner = tuner  # when K and B were auto-configured: re-chosen every round
         self.backup = backup
         self.allowed = allowed
         self.vocab_size = vocab_size
@@ -155,6 +158,12 @@ class SSDMode(DraftBackedMode):
             if d.tokens:
                 rate = o.num_accepted / (o.num_accepted + (1 if o.num_accepted < len(d.tokens) else 0))
                 (self.cost.fast_acceptance if d.q_kind == "point" else self.cost.acceptance).update(rate)
+                if self.tuner is not None and d.q_kind != "point":  # the neural draft's acceptance
+                    self.tuner.observe(len(d.tokens), o.num_accepted)
+        if self.tuner is not None:
+            # Drafts already prepared keep their length; requests from now on use the new K and B.
+            self.k, self.planner.B = self.tuner.choose()
+            self.planner.K = self.k
         self._shadow_ngram(seqs, drafts, outcomes)
         self._record(seqs, drafts, outcomes, choice)
         return outcomes
@@ -206,7 +215,8 @@ class SSDMode(DraftBackedMode):
         self.round_id += 1
         requests = []
         for s, d, src in zip(seqs, drafts, sources):
-            fanout = self.planner.plan(s.seq_id, src)
+            # With the tuner, K may have changed since d was drafted: plan for d's own length.
+            fanout = self.planner.plan(s.seq_id, src, k=len(d.tokens) if self.tuner is not None else None)
             self.fanout_used[s.seq_id] = fanout
             requests.append(
                 SpecRequest(

@@ -15,6 +15,9 @@ from torch import nn
 
 from ssd.kernels import cpu as cpu_kernels
 from ssd.workers.models.config import ModelConfig
+from ssd.workers.models.fused import FusedLayers
+from ssd.workers.models.fused import signature as fused_signature
+from ssd.workers.models.fused import why_not as fused_why_not
 
 
 class RMSNorm(nn.Module):
@@ -148,6 +151,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # Set with RMSNorm's: SiLU(gate) * up in one C call (ssd.kernels.cpu.silu_mul), the code the fused
+    # layers run, so the torch path and the fused path give the same bits.
+    use_cpu_kernel = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -157,7 +164,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if self.use_cpu_kernel and gate_up.dtype in (torch.float32, torch.bfloat16):
+                return self.down_proj(cpu_kernels.silu_mul(gate_up.contiguous()))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -268,6 +278,8 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._rope_table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self._fused: FusedLayers | None = None
+        self._fused_refused: tuple | None = None
 
     # Batch-invariant numerics: when True (set by quantize_model once every linear layer runs a
     # row-independent kernel), forwards of up to `row_attention_max` new tokens per row run
@@ -275,6 +287,8 @@ class DecoderModel(nn.Module):
     # each token the bits it gets when decoded alone. Larger forwards (prefill) use one masked SDPA.
     batch_invariant = False
     row_attention_max = 64  # > the largest verification block (k <= 32); prompts beyond it prefill faster
+    # On the row path, run every layer in one C call when the model allows it (workers/models/fused.py).
+    use_fused_layers = True
 
     def rope_tables(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables [>= length, hd] in `dtype`, grown in fixed chunks of positions.
@@ -310,11 +324,45 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [B, n, D]
         if self.batch_invariant and kv.rows is None and input_ids.shape[1] <= self.row_attention_max:
             kv.plan_rows()
+        if kv.row_plan is not None and self.use_fused_layers:
+            fused = self._fused_layers(kv)
+            if fused is not None:
+                return self.norm(self._forward_fused(fused, x, positions, kv))
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             kv.layer = i
             x = layer(x, cos, sin, kv)
         return self.norm(x)
+
+    def _fused_layers(self, kv: KVView) -> FusedLayers | None:
+        """The C descriptors of this model's layers for kv's caches, (re)built when needed; None when
+        the model cannot run them (checked once per cache, so a non-fusable model pays nothing more)."""
+        f = self._fused
+        if f is not None and f.matches(self, kv.k_cache, kv.v_cache):
+            return f
+        self._fused = None
+        key = fused_signature(self, kv.k_cache, kv.v_cache)
+        if self._fused_refused == key:  # checked before, nothing changed since
+            return None
+        if fused_why_not(self, kv.k_cache, kv.v_cache) is not None:
+            self._fused_refused = key
+            return None
+        self._fused = FusedLayers(self, kv.k_cache, kv.v_cache)
+        return self._fused
+
+    def _forward_fused(self, fused: FusedLayers, x: torch.Tensor, positions: torch.Tensor, kv: KVView) -> torch.Tensor:
+        """x [B, n, D] embeddings -> final-layer hidden states [B, n, D] (padding rows stay zero)."""
+        B, n, D = x.shape
+        src = kv.write_src  # valid tokens, in the order of kv.row_plan
+        cos_t, sin_t = self.rope_tables(int(positions.max()) + 1, x.dtype)
+        pos = positions.reshape(-1)[src]
+        rows = x.reshape(B * n, D)[src]  # [T, D], a copy the C code updates in place
+        rows = fused.run(rows, cos_t[pos], sin_t[pos], kv.write_slot, kv.write_pos, kv.row_plan)
+        if src.numel() == B * n:
+            return rows.view(B, n, D)
+        out = x.new_zeros(B * n, D)
+        out[src] = rows
+        return out.view(B, n, D)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

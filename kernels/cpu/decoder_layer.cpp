@@ -1,0 +1,139 @@
+// Whole decoder layers (Llama / Qwen2: RMSNorm, fused qkv, RoPE, KV write, attention, o_proj, residual,
+// RMSNorm, fused gate/up, SiLU * up, down, residual) for T new tokens in one C call, so a decode step
+// pays one Python -> C transition instead of ~20 small torch ops per layer.
+//
+// Every step is the kernel or the formula the torch path (workers/models/decoder.py with the CPU
+// kernels) uses, rounded to the activation dtype where torch rounds, so both paths give the same
+// bits; every step is also row-independent, so scoring K+1 tokens gives each token the bits it
+// gets when decoded alone.
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+extern "C" {
+
+// Mirrors ssd.kernels.cpu.LinearDesc (ctypes).
+struct SsdLinear {
+    int32_t kind;  // 0: dense fp32/bf16 weights; 1: block q4 (w4a8); 2: block q8 (w8a8)
+    int32_t n, k;
+    int32_t w_bf16;          // dense: weights (and bias) are bf16
+    const void* w;           // dense weight [N, K], or block codes
+    const uint16_t* scale;   // block: fp16 [N, K/32]
+    const uint16_t* offset;  // q4: fp16 [N, K/32]
+    const void* bias;        // dense: in w's dtype, added in fp32 before rounding; block: activation dtype, after
+};
+
+// Mirrors ssd.kernels.cpu.LayerDesc.
+struct SsdLayer {
+    SsdLinear qkv, o, gate_up, down;
+    const void* in_norm;    // [D], activation dtype
+    const void* post_norm;  // [D]
+    void* k_cache;          // this layer's [S, Hkv, max_len, hd], activation dtype
+    void* v_cache;
+};
+
+// y = silu(gu[:, :I]) * gu[:, I:] per row, each op rounded to the dtype as torch's F.silu(gate) * up.
+void ssd_silu_mul(const void* gu, void* y, int bf16, int M, int I, int nthreads) {
+    const int64_t total = static_cast<int64_t>(M) * I;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (total >= 4096)
+    for (int64_t e = 0; e < total; ++e) {
+        const int64_t m = e / I, i = e % I;
+        const float g = act_load(gu, m * 2 * I + i, bf16);
+        float s = g / (1.0f + expf(-g));
+        if (bf16) s = bf16_to_f32(f32_to_bf16(s));
+        act_store(y, e, s * act_load(gu, m * 2 * I + I + i, bf16), bf16);
+    }
+}
+
+}  // extern "C"
+
+namespace {
+
+void run_linear(const SsdLinear& l, const void* x, int M, void* y, int bf16, int nthreads) {
+    if (l.kind == 0) {
+        ssd_linear_dense(x, bf16, M, l.n, l.k, l.w, l.w_bf16, l.bias, y, nthreads);
+        return;
+    }
+    ssd_linear(x, M, l.n, l.k, static_cast<const uint8_t*>(l.w), l.scale, l.kind == 1 ? l.offset : nullptr, y, bf16,
+               nthreads);
+    if (l.bias != nullptr)  // y + bias in the activation dtype, as _BlockLinear.forward's y.add_(bias)
+        for (int m = 0; m < M; ++m)
+            for (int n = 0; n < l.n; ++n) {
+                const size_t at = static_cast<size_t>(m) * l.n + n;
+                act_store(y, at, act_load(y, at, bf16) + act_load(l.bias, n, bf16), bf16);
+            }
+}
+
+// x += d elementwise, rounded (the residual adds).
+void add_into(void* x, const void* d, size_t count, int bf16) {
+    for (size_t i = 0; i < count; ++i) act_store(x, i, act_load(x, i, bf16) + act_load(d, i, bf16), bf16);
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [T, D] (in place): the hidden states of T new tokens through `n_layers` layers. Token t sits at
+// cache slot w_slot[t], position w_pos[t]; cos/sin [T, hd] are its RoPE rows; (slot, len, off, idx)
+// is the attention plan of ssd_attend_rows, one entry per token in the same order.
+void ssd_decoder_layers(const SsdLayer* layers, int n_layers, void* x, int bf16, int T, int D, int H, int Hkv, int hd,
+                        int I, int max_len, float eps, const void* cos, const void* sin, const int32_t* w_slot,
+                        const int32_t* w_pos, const int32_t* slot, const int32_t* len, const int64_t* off,
+                        const int64_t* idx, int nthreads) {
+    const size_t es = bf16 ? 2 : 4;
+    const int qkv_w = (H + 2 * Hkv) * hd, half = hd / 2;
+    char* buf = static_cast<char*>(malloc(es * T * (2 * static_cast<size_t>(D) + qkv_w + H * hd + 3 * I)));
+    void* h = buf;                                      // [T, D] normed input
+    void* qkv = buf + es * T * D;                       // [T, (H + 2 Hkv) hd]
+    void* att = static_cast<char*>(qkv) + es * T * qkv_w;  // [T, H hd]
+    void* o = static_cast<char*>(att) + es * T * H * hd;   // [T, D]
+    void* gu = static_cast<char*>(o) + es * T * D;         // [T, 2 I]
+    void* act = static_cast<char*>(gu) + es * T * 2 * I;   // [T, I]
+    for (int li = 0; li < n_layers; ++li) {
+        const SsdLayer& L = layers[li];
+        ssd_rmsnorm(x, L.in_norm, h, bf16, T, D, eps);
+        run_linear(L.qkv, h, T, qkv, bf16, nthreads);
+        // RoPE on the q and k heads: out = x * cos + rotate_half(x) * sin, each op rounded.
+        for (int t = 0; t < T; ++t)
+            for (int head = 0; head < H + Hkv; ++head) {
+                const size_t at = static_cast<size_t>(t) * qkv_w + static_cast<size_t>(head) * hd;
+                float v[512];  // hd <= 512 (checked by the caller)
+                for (int d = 0; d < hd; ++d) v[d] = act_load(qkv, at + d, bf16);
+                for (int d = 0; d < hd; ++d) {
+                    const float c = act_load(cos, static_cast<size_t>(t) * hd + d, bf16);
+                    const float s = act_load(sin, static_cast<size_t>(t) * hd + d, bf16);
+                    const float rot = d < half ? -v[d + half] : v[d - half];
+                    float a = v[d] * c, b = rot * s;
+                    if (bf16) {
+                        a = bf16_to_f32(f32_to_bf16(a));
+                        b = bf16_to_f32(f32_to_bf16(b));
+                    }
+                    act_store(qkv, at + d, a + b, bf16);
+                }
+            }
+        // Keys and values of every new token into the cache before any token attends.
+        for (int t = 0; t < T; ++t)
+            for (int kh = 0; kh < Hkv; ++kh) {
+                const size_t dst = ((static_cast<size_t>(w_slot[t]) * Hkv + kh) * max_len + w_pos[t]) * hd * es;
+                const size_t src = (static_cast<size_t>(t) * qkv_w + static_cast<size_t>(H + kh) * hd) * es;
+                memcpy(static_cast<char*>(L.k_cache) + dst, static_cast<char*>(qkv) + src, hd * es);
+                memcpy(static_cast<char*>(L.v_cache) + dst, static_cast<char*>(qkv) + src + Hkv * hd * es, hd * es);
+            }
+        ssd_attend_rows(qkv, qkv_w, L.k_cache, L.v_cache, att, bf16, T, H, Hkv, hd, max_len, slot, len, off, idx,
+                        nthreads);
+        run_linear(L.o, att, T, o, bf16, nthreads);
+        add_into(x, o, static_cast<size_t>(T) * D, bf16);
+        ssd_rmsnorm(x, L.post_norm, h, bf16, T, D, eps);
+        run_linear(L.gate_up, h, T, gu, bf16, nthreads);
+        ssd_silu_mul(gu, act, bf16, T, I, nthreads);
+        run_linear(L.down, act, T, o, bf16, nthreads);
+        add_into(x, o, static_cast<size_t>(T) * D, bf16);
+    }
+    free(buf);
+}
+
+}  // extern "C"

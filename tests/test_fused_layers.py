@@ -1,0 +1,118 @@
+"""Whole decoder layers in one C call (workers/models/fused.py, kernels/cpu/decoder_layer.cpp).
+
+The fused path must give exactly the bits of the torch path with the same kernels (decode, K+1
+blocks, batches with padding, tree nodes), fall back to the torch path whenever it cannot run
+(torch-kernel linears, q/k norms, reference mode), and notice when the model's modules change.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import random_model
+
+from ssd.kernels import cpu as cpu_kernels
+from ssd.workers.model_runner import ModelRunner
+from ssd.workers.models import fused
+from ssd.workers.models.dense import DenseLinear, use_dense_kernels
+from ssd.workers.models.quant import quantize_model, reference_mode
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+
+VOCAB = 256
+
+
+def tiny(mode: str, dtype: torch.dtype = torch.bfloat16, arch: str = "qwen2"):
+    m = random_model(vocab=VOCAB, hidden=128, heads=4, kv_heads=2, layers=3, seed=5, arch=arch).to(dtype)
+    return use_dense_kernels(m) if mode == "dense" else quantize_model(m, mode)
+
+
+def script(model, use_fused: bool) -> list[torch.Tensor]:
+    """Logits of a fixed mix of forwards: prefill, decode, a 9-token block, two rows with padding, a tree."""
+    model.use_fused_layers = use_fused
+    r = ModelRunner(model, max_slots=3, max_len=256)
+    a, b = r.allocate(), r.allocate()
+    g = torch.Generator().manual_seed(1)
+    toks = torch.randint(0, VOCAB, (120,), generator=g).tolist()
+    out = [r.forward([a], [toks[:70]]), r.forward([b], [toks[70:100]])]  # prefills (> 64 tokens: torch SDPA)
+    out.append(r.forward([a], [[toks[100]]]))  # decode
+    out.append(r.forward([a], [toks[101:110]]))  # verification block
+    two = r.forward([b, a], [toks[110:113], toks[113:120]])  # rows of different lengths: padding
+    out += [two[0, :3], two[1]]  # (what padding positions hold is undefined)
+    out.append(r.forward([b], [[1, 2, 3, 4]], parents=[[-1, 0, 0, 1]]))  # tree nodes
+    return out
+
+
+@pytest.mark.parametrize("mode", ["w4a8", "w8a8", "dense"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_path_gives_the_torch_path_bits(mode, dtype):
+    model = tiny(mode, dtype)
+    ref = script(model, use_fused=False)
+    assert model._fused is None
+    got = script(model, use_fused=True)
+    assert model._fused is not None, "the fused path did not run"
+    for i, (x, y) in enumerate(zip(ref, got)):
+        assert torch.equal(x, y), f"forward {i}: max diff {(x - y).abs().max().item()}"
+
+
+def test_falls_back_where_it_cannot_run():
+    int8 = tiny("int8")
+    cache = torch.zeros(1, dtype=torch.bfloat16)
+    assert "Int8Linear" in fused.why_not(int8, cache, cache)
+    script(int8, use_fused=True)  # runs, on the torch path
+    assert int8._fused is None
+
+    qwen3 = tiny("dense", arch="qwen3")
+    r = ModelRunner(qwen3, max_slots=1, max_len=64)
+    assert "q/k norms" in fused.why_not(qwen3, r.kv.k, r.kv.v)
+
+    model = tiny("w4a8")
+    ref = script(model, use_fused=True)
+    assert model._fused is not None
+    with reference_mode(model):  # the reference path must really run the reference linears
+        script(model, use_fused=True)
+        assert model._fused is None
+    again = script(model, use_fused=True)
+    assert model._fused is not None  # back on the fused path once reference mode ends
+    assert all(torch.equal(x, y) for x, y in zip(ref, again))
+
+
+def test_a_swapped_module_is_noticed():
+    model = tiny("dense")
+    script(model, use_fused=True)
+    old = model._fused
+    mlp = model.layers[1].mlp
+    mlp.down_proj = DenseLinear(mlp.down_proj.weight.detach().clone() * 2, None)
+    got = script(model, use_fused=True)
+    assert model._fused is not None and model._fused is not old
+    ref = script(model, use_fused=False)
+    assert all(torch.equal(x, y) for x, y in zip(ref, got))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_silu_mul_matches_torch(dtype):
+    gu = (torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    got = cpu_kernels.silu_mul(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.silu(gate) * up  # torch's exp may differ from libm's in the last fp32 bit
+    tol = dict(rtol=1.6e-2, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, want, **tol)
+    with pytest.raises(ValueError, match="silu_mul"):
+        cpu_kernels.silu_mul(gu[:, :-1])
+    with pytest.raises(ValueError, match="silu_mul"):
+        cpu_kernels.silu_mul(gu.half())
+
+
+def test_decoder_layers_rejects_mismatched_input():
+    model = tiny("dense")
+    r = ModelRunner(model, max_slots=1, max_len=64)
+    f = fused.FusedLayers(model, r.kv.k, r.kv.v)
+    plan = cpu_kernels.RowPlan.from_rows([(0, 0, 0, 1)])
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    cos = torch.zeros(1, 32, dtype=torch.bfloat16)
+    w = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="decoder_layers"):
+        f.run(x, cos[:, :16], cos, w, w, plan)  # RoPE rows of the wrong width
+    with pytest.raises(ValueError, match="decoder_layers"):
+        f.run(x.float(), cos, cos, w, w, plan)  # activations in another dtype than the tables
+    with pytest.raises(ValueError, match="fused decoder layers unavailable"):
+        fused.FusedLayers(tiny("int8"), r.kv.k, r.kv.v)

@@ -1,0 +1,140 @@
+"""All decoder layers of a batch-invariant CPU model in one C call (`ssd.kernels.cpu.decoder_layers`).
+
+With the CPU kernels a decode step spends most of its non-GEMM time in Python and ~20 small torch
+ops per layer (18 of 66 ms on the 0.5B in w4a8). `FusedLayers` describes every layer's weights,
+norms and KV cache once (pointers into the model's own tensors) and runs the layers of the
+row-by-row attention path (decode and verification blocks, `DecoderModel.row_attention_max`) in C,
+with the same kernels and the same roundings as the torch path — the two give the same bits (tested).
+Prefill and anything the C code does not cover (torch-kernel linears, q/k norms, tensor-parallel
+layers, reference mode) stay on the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ssd.kernels import cpu as cpu_kernels
+from ssd.workers.models.blockquant import W4A8Linear, W8A8Linear
+from ssd.workers.models.dense import DenseLinear
+
+_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+def _linear_kind(mod: nn.Module | None) -> int | None:
+    if getattr(mod, "use_reference", False):
+        return None
+    if isinstance(mod, DenseLinear):
+        return 0
+    if isinstance(mod, W4A8Linear):
+        return 1
+    if isinstance(mod, W8A8Linear):
+        return 2
+    return None
+
+
+def why_not(model: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """None when every layer of `model` can run in C with these caches [L, S, Hkv, max_len, hd], else why not."""
+    reason = cpu_kernels.unavailable_reason()
+    if reason is not None:
+        return reason
+    cfg = model.config
+    dtype = model.embed_tokens.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or model.embed_tokens.weight.device.type != "cpu":
+        return f"activations {dtype} on {model.embed_tokens.weight.device}"
+    if cfg.qk_norm or cfg.head_dim > 512 or cfg.head_dim % 2:
+        return "q/k norms or an unsupported head_dim"
+    for c in (k_cache, v_cache):
+        if c.dtype != dtype or not c.is_contiguous() or c.device.type != "cpu":
+            return "KV cache not a contiguous CPU tensor in the activation dtype"
+    for i, layer in enumerate(model.layers):
+        for parent, name in _LINEARS:
+            mod = getattr(getattr(layer, parent), name)
+            if _linear_kind(mod) is None:
+                return f"layer {i} {parent}.{name} is {type(mod).__name__}"
+            if isinstance(mod, DenseLinear) and mod.weight.dtype not in (torch.float32, torch.bfloat16):
+                return f"layer {i} {name}: dense weight {mod.weight.dtype}"
+            if not isinstance(mod, DenseLinear) and mod.bias is not None and mod.bias.dtype != dtype:
+                return f"layer {i} {name}: bias {mod.bias.dtype}"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not norm.use_cpu_kernel or norm.weight.dtype != dtype:
+                return f"layer {i}: RMSNorm not on the C kernel in {dtype}"
+    return None
+
+
+def signature(model: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """What `why_not` depends on that can change after a model is built: the linear modules, their
+    reference flags and the caches (so a refusal is not re-checked every forward)."""
+    mods = tuple((id(m), getattr(m, "use_reference", False)) for layer in model.layers
+                 for m in (getattr(getattr(layer, p), n, None) for p, n in _LINEARS))
+    return (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype, mods)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedLayers:
+    """Descriptors of `model`'s layers and KV caches for `ssd.kernels.cpu.decoder_layers`."""
+
+    def __init__(self, model: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        reason = why_not(model, k_cache, v_cache)
+        if reason is not None:
+            raise ValueError(f"fused decoder layers unavailable: {reason}")
+        cfg = model.config
+        self.modules = [getattr(getattr(layer, p), n) for layer in model.layers for p, n in _LINEARS]
+        self.tensors = self._tensors(model, k_cache, v_cache)
+        self.layers = (cpu_kernels.LayerDesc * len(model.layers))()
+        for i, layer in enumerate(model.layers):
+            desc = self.layers[i]
+            for (parent, name), field in zip(_LINEARS, ("qkv", "o", "gate_up", "down")):
+                setattr(desc, field, self._linear(getattr(getattr(layer, parent), name)))
+            desc.in_norm = layer.input_layernorm.weight.data_ptr()
+            desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            desc.k_cache, desc.v_cache = k_cache[i].data_ptr(), v_cache[i].data_ptr()
+        self.dims = cpu_kernels.LayerDims(
+            hidden=cfg.hidden_size, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, max_len=k_cache.shape[3], eps=cfg.rms_norm_eps,
+        )
+
+    @staticmethod
+    def _linear(mod: nn.Module) -> cpu_kernels.LinearDesc:
+        kind = _linear_kind(mod)
+        d = cpu_kernels.LinearDesc(kind=kind, n=mod.out_features, k=mod.in_features)
+        if isinstance(mod, DenseLinear):
+            d.w, d.w_bf16 = mod.weight.data_ptr(), int(mod.weight.dtype == torch.bfloat16)
+        else:
+            d.w, d.scale = mod.qweight.data_ptr(), mod.scale_bits.data_ptr()
+            if kind == 1:
+                d.offset = mod.offset_bits.data_ptr()
+        d.bias = _ptr(mod.bias)
+        return d
+
+    @staticmethod
+    def _tensors(model: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [k_cache, v_cache]
+        for layer in model.layers:
+            out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for parent, name in _LINEARS:
+                mod = getattr(getattr(layer, parent), name)
+                out += [getattr(mod, a, None) for a in ("weight", "qweight", "scale_bits", "offset_bits", "bias")]
+        return out
+
+    def matches(self, model: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether the descriptors still point at `model`'s tensors and these caches (no module swapped,
+        no tensor moved or re-allocated, no layer in reference mode)."""
+        if any(getattr(m, "use_reference", False) for m in self.modules):
+            return False
+        now = self._tensors(model, k_cache, v_cache)
+        return len(now) == len(self.tensors) and all(
+            a is b or (a is not None and b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape)
+            for a, b in zip(now, self.tensors)
+        )
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slot: torch.Tensor,
+            write_pos: torch.Tensor, plan: cpu_kernels.RowPlan) -> torch.Tensor:
+        """x [T, D] -> [T, D] through every layer; token t's keys go to (write_slot[t], write_pos[t])."""
+        return cpu_kernels.decoder_layers(
+            self.layers, self.dims, x.contiguous(), cos.contiguous(), sin.contiguous(),
+            write_slot.to(torch.int32), write_pos.to(torch.int32), plan,
+        )
