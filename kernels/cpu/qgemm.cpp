@@ -89,14 +89,18 @@ inline __m256i block_dot(const __m256i& wq, const __m256i& sgn, const int8_t* x)
 // One weight row (blocks converted: sf, of) against `mc` activation rows: y[i] for each.
 // Per 8 blocks: the 8 integer block sums land in one vector (hadd tree, exact), then one
 // cvt + fma with the 8 block scales s * dx (and, q4, one fma with offset * sx). Tail blocks one by one.
+// `pf`: a later weight row to prefetch at the pace this one is read (nullptr: none).
 template <bool Q4>
 inline void row_dot(const uint8_t* w, const float* sf, const float* of, const int8_t* xq, const float* dx,
-                    const float* sx, int mc, int K, int nb, float* out) {
+                    const float* sx, int mc, int K, int nb, float* out, const uint8_t* pf) {
     __m256 acc[MC];
     for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
     __m256i wq[8], sgn[8];
     const int nb8 = nb / 8 * 8;
+    constexpr int step_bytes = 8 * (Q4 ? 16 : 32);
     for (int b = 0; b < nb8; b += 8) {
+        if (pf != nullptr)
+            for (int p = 0; p < step_bytes; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + b * (step_bytes / 8) + p, _MM_HINT_T0);
         unpack<Q4>(w, b, 8, wq, sgn);
         const __m256 s8 = _mm256_loadu_ps(sf + b);
         for (int i = 0; i < mc; ++i) {
@@ -113,8 +117,32 @@ inline void row_dot(const uint8_t* w, const float* sf, const float* of, const in
             if (Q4) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(of + b), _mm256_loadu_ps(sx + at), acc[i]);
         }
     }
-    for (int i = 0; i < mc; ++i) out[i] = hsum(acc[i]);
-    for (int b = nb8; b < nb; ++b) {
+    // A tail of 4+ blocks (K = 896: 28 blocks) the same way on 4 lanes, then single blocks.
+    const int nb4 = nb8 + (nb - nb8) / 4 * 4;
+    __m128 acc4[MC];
+    for (int i = 0; i < MC; ++i) acc4[i] = _mm_setzero_ps();
+    if (nb4 > nb8) {
+        if (pf != nullptr)
+            for (int p = 0; p < step_bytes / 2; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + nb8 * (step_bytes / 8) + p, _MM_HINT_T0);
+        unpack<Q4>(w, nb8, 4, wq, sgn);
+        const __m128 s4 = _mm_loadu_ps(sf + nb8);
+        for (int i = 0; i < mc; ++i) {
+            const int8_t* x = xq + static_cast<size_t>(i) * K + static_cast<size_t>(nb8) * QK;
+            const __m256i h01 = _mm256_hadd_epi32(block_dot<Q4>(wq[0], sgn[0], x), block_dot<Q4>(wq[1], sgn[1], x + 32));
+            const __m256i h23 = _mm256_hadd_epi32(block_dot<Q4>(wq[2], sgn[2], x + 64), block_dot<Q4>(wq[3], sgn[3], x + 96));
+            const __m256i q = _mm256_hadd_epi32(h01, h23);
+            const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            const size_t at = static_cast<size_t>(i) * nb + nb8;
+            acc4[i] = _mm_fmadd_ps(_mm_mul_ps(s4, _mm_loadu_ps(dx + at)), _mm_cvtepi32_ps(dots), acc4[i]);
+            if (Q4) acc4[i] = _mm_fmadd_ps(_mm_loadu_ps(of + nb8), _mm_loadu_ps(sx + at), acc4[i]);
+        }
+    }
+    for (int i = 0; i < mc; ++i) {
+        __m128 s = _mm_add_ps(acc4[i], _mm_movehl_ps(acc4[i], acc4[i]));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        out[i] = hsum(acc[i]) + _mm_cvtss_f32(s);
+    }
+    for (int b = nb4; b < nb; ++b) {
         unpack<Q4>(w, b, 1, wq, sgn);
         for (int i = 0; i < mc; ++i) {
             const size_t at = static_cast<size_t>(i) * nb + b;
@@ -136,14 +164,25 @@ void gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const
         const int n0 = static_cast<int>(static_cast<int64_t>(N) * t / nt);
         const int n1 = static_cast<int>(static_cast<int64_t>(N) * (t + 1) / nt);
         float sf[MAX_BLOCKS], of[MAX_BLOCKS], part[MC];
+        // Short rows (K ~ 1000: a few hundred bytes) leave the hardware prefetcher restarting on every
+        // row, so each row also prefetches one ~8 KiB further on (and its scales), as the dense kernel does.
+        const int ahead = row_bytes >= 8192 ? 1 : 8192 / row_bytes;
         for (int n = n0; n < n1; ++n) {
+            const uint8_t* pf = n + ahead < N ? w + static_cast<size_t>(n + ahead) * row_bytes : nullptr;
+            if (pf != nullptr) {
+                const size_t at = static_cast<size_t>(n + ahead) * nb;
+                for (int p = 0; p < nb * 2; p += 64) {
+                    _mm_prefetch(reinterpret_cast<const char*>(scale + at) + p, _MM_HINT_T0);
+                    if (Q4) _mm_prefetch(reinterpret_cast<const char*>(offset + at) + p, _MM_HINT_T0);
+                }
+            }
             fp16_to_f32(scale + static_cast<size_t>(n) * nb, sf, nb);
             if (Q4) fp16_to_f32(offset + static_cast<size_t>(n) * nb, of, nb);
             const uint8_t* wr = w + static_cast<size_t>(n) * row_bytes;
             for (int m0 = 0; m0 < M; m0 += MC) {
                 const int mc = M - m0 < MC ? M - m0 : MC;
                 row_dot<Q4>(wr, sf, of, xq + static_cast<size_t>(m0) * K, dx + static_cast<size_t>(m0) * nb,
-                            Q4 ? sx + static_cast<size_t>(m0) * nb : nullptr, mc, K, nb, part);
+                            Q4 ? sx + static_cast<size_t>(m0) * nb : nullptr, mc, K, nb, part, m0 == 0 ? pf : nullptr);
                 for (int i = 0; i < mc; ++i) {
                     const size_t at = static_cast<size_t>(m0 + i) * N + n;
                     if (y_bf16)
