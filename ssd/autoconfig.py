@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ssd.fanout import expected_hit_rate, geometric_fanout
+from ssd.fanout import geometric_fanout, outcome_probs
 from ssd.handles import WorkerHandle
 from ssd.policy import expected_tokens
 
@@ -88,14 +88,30 @@ def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float) -> int:
     return max(K_CHOICES, key=lambda k: expected_tokens(a, k) / (k * t_draft1 + t_verify[k + 1]))
 
 
+def model_hit_rate(fanout: list[int], a: float, r: float) -> float:
+    """Hit probability for choosing (K, B): the power law of `fanout.expected_hit_rate` for k < K, but
+    at k = K the bonus token is the draft's own top choice with probability ~a (the per-token
+    agreement), so p_hit = 1 - (1 - a) F^-r there. (The paper's law gives F = 1 no hits at all,
+    which would rule out the small budgets that suit drafts accepted ~99 % of the time.)"""
+    probs = outcome_probs(a, len(fanout) - 1)
+    last = len(fanout) - 1
+    return sum(p * (1 - (1 - a if k == last else 1.0) * f ** (-r))
+               for k, (p, f) in enumerate(zip(probs, fanout)) if f > 0)
+
+
+def budgets(k: int) -> list[int]:
+    """Fan-out budgets tried for draft length k: 1-2 branches (enough when nearly every draft is
+    accepted: the bonus token is then usually the draft's top choice) up to 4 per position."""
+    return sorted({1, 2} | {p * (k + 1) for p in (1, 2, 3, 4)})
+
+
 def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch: dict[int, float],
                 a: float) -> tuple[int, int]:
     best, best_score = (K_CHOICES[0], K_CHOICES[0] + 1), -1.0
     for k in K_CHOICES:
-        for per_pos in (1, 2, 3, 4):
-            b = per_pos * (k + 1)
+        for b in budgets(k):
             t_spec = t_chain[k + 1] + k * t_branch[b]
-            e_hit = expected_hit_rate(geometric_fanout(a, PRIOR_R, k, b), a, PRIOR_R)
+            e_hit = model_hit_rate(geometric_fanout(a, PRIOR_R, k, b), a, PRIOR_R)
             # a miss costs a just-in-time draft of k steps on top of the round
             t_round = max(t_verify[k + 1], t_spec) + (1 - e_hit) * k * t_branch[1]
             score = expected_tokens(a, k) / t_round
@@ -108,7 +124,7 @@ def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool) -> AutoC
     ns = sorted({k + 1 for k in K_CHOICES})
     t_verify = {n: target.call("time_forward", n).result() for n in ns}
     t_chain = {n: draft.call("time_forward", n).result() for n in ns}
-    sizes = sorted({1} | {p * (k + 1) for k in K_CHOICES for p in (1, 2, 3, 4)})
+    sizes = sorted({b for k in K_CHOICES for b in budgets(k)})
     t_branch = {n: draft.call("time_forward", n, 128, True).result() for n in sizes} if ssd else {1: t_chain[ns[0]]}
     t_draft1 = 0.0
     if ssd:

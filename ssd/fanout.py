@@ -117,7 +117,7 @@ class FanoutPlanner:
             return list(self.explicit)
         K, B = self.K, self.B
         if k is not None and k != K:
-            K, B = k, max(k + 1, round(B * (k + 1) / (K + 1)))
+            K, B = k, max(1, round(B * (k + 1) / (K + 1)))
         if self.kind == "uniform":
             return uniform_fanout(K, B)
         return geometric_fanout(self.acceptance(seq_id, source), self.r, K, B)

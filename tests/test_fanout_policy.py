@@ -162,10 +162,21 @@ def test_ssd_tuner_grows_k_when_drafts_are_accepted_and_shrinks_it_when_not():
         k, _ = tuner.choose()
         tuner.observe(drafted=k, accepted=k)
     k, b = tuner.choose()
-    assert k == max(K_CHOICES) and b >= k + 1
+    assert k == max(K_CHOICES) and b >= 1
     for _ in range(30):
         tuner.observe(drafted=tuner.choose()[0], accepted=0)
     assert tuner.choose()[0] == min(K_CHOICES)
+
+
+def test_autoconfig_hit_model_credits_the_drafts_top_choice_at_the_bonus_position():
+    from ssd.autoconfig import budgets, model_hit_rate
+
+    a, r = 0.98, 1.0
+    # one branch at k = K hits when all K drafts are accepted and the bonus is the draft's top choice
+    assert model_hit_rate([0, 0, 0, 1], a, r) == pytest.approx(a**3 * a)
+    # positions k < K follow the paper's power law exactly
+    assert model_hit_rate([4, 2, 0, 0], a, r) == pytest.approx(expected_hit_rate([4, 2, 0, 0], a, r))
+    assert budgets(3) == [1, 2, 4, 8, 12, 16]
 
 
 def test_planner_plans_for_a_draft_of_another_length():
