@@ -16,7 +16,7 @@ from ssd.workers.models import fused
 from ssd.workers.models.dense import DenseLinear, use_dense_kernels
 from ssd.workers.models.quant import quantize_model, reference_mode
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 
 VOCAB = 256
 
@@ -50,6 +50,18 @@ def test_fused_path_gives_the_torch_path_bits(mode, dtype):
     assert model._fused is None
     got = script(model, use_fused=True)
     assert model._fused is not None, "the fused path did not run"
+    for i, (x, y) in enumerate(zip(ref, got)):
+        assert torch.equal(x, y), f"forward {i}: max diff {(x - y).abs().max().item()}"
+
+
+def test_q_k_v_quantised_differently_run_apart_with_the_same_bits():
+    """As in the Q4_K_M qwen-coder-1.5b GGUF: v_proj at 8 bits, q/k at 4, so q/k/v stay three layers."""
+    m = random_model(vocab=VOCAB, hidden=128, heads=4, kv_heads=2, layers=3, seed=5).to(torch.bfloat16)
+    model = quantize_model(m, "w4a8", overrides={f"layers.{i}.self_attn.v_proj": "w8a8" for i in range(3)})
+    assert all(layer.self_attn.qkv_proj is None for layer in model.layers)
+    ref = script(model, use_fused=False)
+    got = script(model, use_fused=True)
+    assert model._fused is not None and all(d.qkv_parts == 3 for d in model._fused.layers)
     for i, (x, y) in enumerate(zip(ref, got)):
         assert torch.equal(x, y), f"forward {i}: max diff {(x - y).abs().max().item()}"
 

@@ -443,3 +443,13 @@ def test_cuda_matches_torch(V):
     gpu = verify_rejection(z.cuda(), torch.zeros(B, dtype=torch.long).cuda(), p[:, :1].cuda(), None,
                            torch.zeros(B, 0).cuda(), us.cuda())
     assert torch.equal(cpu.tokens, gpu.tokens.cpu())
+
+
+def test_cpu_kernels_build_where_the_cpu_and_compiler_allow():
+    """The CPU-kernel test modules skip when the kernels are unavailable; on a machine that has AVX2,
+    FMA, F16C and g++ (CI's), unavailability is a build failure and must fail here, not skip."""
+    from ssd.kernels import cpu as cpu_kernels
+
+    if {"avx2", "fma", "f16c"} - cpu_kernels._cpu_flags() or shutil.which("g++") is None:
+        pytest.skip("no AVX2/FMA/F16C or no g++ here")
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()

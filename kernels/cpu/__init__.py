@@ -299,7 +299,8 @@ class LinearDesc(ctypes.Structure):
 class LayerDesc(ctypes.Structure):
     """One decoder layer for ssd_decoder_layers (pointers into tensors the caller keeps alive)."""
 
-    _fields_ = [("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
+    _fields_ = [("q", LinearDesc), ("k", LinearDesc), ("v", LinearDesc), ("qkv_parts", ctypes.c_int32),
+                ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
                 ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
 

@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include <initializer_list>
+
 #include "common.h"
 
 extern "C" {
@@ -29,7 +31,9 @@ struct SsdLinear {
 
 // Mirrors ssd.kernels.cpu.LayerDesc.
 struct SsdLayer {
-    SsdLinear qkv, o, gate_up, down;
+    SsdLinear q, k, v;   // qkv_parts == 1: q is the fused q/k/v projection (k, v unused)
+    int32_t qkv_parts;   // 1 or 3 (q, k, v quantised differently, e.g. from a Q4_K_M GGUF)
+    SsdLinear o, gate_up, down;
     const void* in_norm;    // [D], activation dtype
     const void* post_norm;  // [D]
     void* k_cache;          // this layer's [S, Hkv, max_len, hd], activation dtype
@@ -96,7 +100,18 @@ void ssd_decoder_layers(const SsdLayer* layers, int n_layers, void* x, int bf16,
     for (int li = 0; li < n_layers; ++li) {
         const SsdLayer& L = layers[li];
         ssd_rmsnorm(x, L.in_norm, h, bf16, T, D, eps);
-        run_linear(L.qkv, h, T, qkv, bf16, nthreads);
+        if (L.qkv_parts == 1) {
+            run_linear(L.q, h, T, qkv, bf16, nthreads);
+        } else {  // each part into `att` (free until attention), then into its columns of qkv
+            int col = 0;
+            for (const SsdLinear* part : {&L.q, &L.k, &L.v}) {
+                run_linear(*part, h, T, att, bf16, nthreads);
+                for (int t = 0; t < T; ++t)
+                    memcpy(static_cast<char*>(qkv) + (static_cast<size_t>(t) * qkv_w + col) * es,
+                           static_cast<char*>(att) + static_cast<size_t>(t) * part->n * es, part->n * es);
+                col += part->n;
+            }
+        }
         // RoPE on the q and k heads: out = x * cos + rotate_half(x) * sin, each op rounded.
         for (int t = 0; t < T; ++t)
             for (int head = 0; head < H + Hkv; ++head) {

@@ -18,7 +18,18 @@ from ssd.kernels import cpu as cpu_kernels
 from ssd.workers.models.blockquant import W4A8Linear, W8A8Linear
 from ssd.workers.models.dense import DenseLinear
 
-_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+_REST = (("o", "self_attn", "o_proj"), ("gate_up", "mlp", "gate_up_proj"), ("down", "mlp", "down_proj"))
+
+
+def _layer_linears(layer: nn.Module) -> list[tuple[str, str, nn.Module | None]]:
+    """(descriptor field, module name, module) of one layer's linears: the fused q/k/v projection, or
+    q, k and v apart when they are quantised differently (Q4_K_M GGUFs keep some v at 8 bits)."""
+    attn = layer.self_attn
+    if attn.qkv_proj is not None:
+        qkv = [("q", "qkv_proj", attn.qkv_proj)]
+    else:
+        qkv = [(f, f"{f}_proj", getattr(attn, f"{f}_proj")) for f in ("q", "k", "v")]
+    return qkv + [(f, name, getattr(getattr(layer, parent), name)) for f, parent, name in _REST]
 
 
 def _linear_kind(mod: nn.Module | None) -> int | None:
@@ -48,10 +59,9 @@ def why_not(model: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor) -> s
         if c.dtype != dtype or not c.is_contiguous() or c.device.type != "cpu":
             return "KV cache not a contiguous CPU tensor in the activation dtype"
     for i, layer in enumerate(model.layers):
-        for parent, name in _LINEARS:
-            mod = getattr(getattr(layer, parent), name)
+        for _, name, mod in _layer_linears(layer):
             if _linear_kind(mod) is None:
-                return f"layer {i} {parent}.{name} is {type(mod).__name__}"
+                return f"layer {i} {name} is {type(mod).__name__}"
             if isinstance(mod, DenseLinear) and mod.weight.dtype not in (torch.float32, torch.bfloat16):
                 return f"layer {i} {name}: dense weight {mod.weight.dtype}"
             if not isinstance(mod, DenseLinear) and mod.bias is not None and mod.bias.dtype != dtype:
@@ -66,7 +76,7 @@ def signature(model: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
     """What `why_not` depends on that can change after a model is built: the linear modules, their
     reference flags and the caches (so a refusal is not re-checked every forward)."""
     mods = tuple((id(m), getattr(m, "use_reference", False)) for layer in model.layers
-                 for m in (getattr(getattr(layer, p), n, None) for p, n in _LINEARS))
+                 for _, _, m in _layer_linears(layer))
     return (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype, mods)
 
 
@@ -82,13 +92,15 @@ class FusedLayers:
         if reason is not None:
             raise ValueError(f"fused decoder layers unavailable: {reason}")
         cfg = model.config
-        self.modules = [getattr(getattr(layer, p), n) for layer in model.layers for p, n in _LINEARS]
+        self.modules = [m for layer in model.layers for _, _, m in _layer_linears(layer)]
         self.tensors = self._tensors(model, k_cache, v_cache)
         self.layers = (cpu_kernels.LayerDesc * len(model.layers))()
         for i, layer in enumerate(model.layers):
             desc = self.layers[i]
-            for (parent, name), field in zip(_LINEARS, ("qkv", "o", "gate_up", "down")):
-                setattr(desc, field, self._linear(getattr(getattr(layer, parent), name)))
+            linears = _layer_linears(layer)
+            desc.qkv_parts = 1 if linears[0][1] == "qkv_proj" else 3
+            for field, _, mod in linears:
+                setattr(desc, field, self._linear(mod))
             desc.in_norm = layer.input_layernorm.weight.data_ptr()
             desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             desc.k_cache, desc.v_cache = k_cache[i].data_ptr(), v_cache[i].data_ptr()
@@ -115,8 +127,7 @@ class FusedLayers:
         out: list[torch.Tensor | None] = [k_cache, v_cache]
         for layer in model.layers:
             out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for parent, name in _LINEARS:
-                mod = getattr(getattr(layer, parent), name)
+            for _, _, mod in _layer_linears(layer):
                 out += [getattr(mod, a, None) for a in ("weight", "qweight", "scale_bits", "offset_bits", "bias")]
         return out
 
