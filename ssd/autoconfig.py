@@ -80,8 +80,25 @@ class SSDTuner(_AcceptanceCounts):
     t_chain: dict[int, float] = field(default_factory=dict)
     t_branch: dict[int, float] = field(default_factory=dict)
 
+    verify_scale: float = 1.0  # measured / start-up verification time (decayed average)
+    spec_scale: float = 1.0  # measured / start-up speculation time
+    t_fixed: float = 0.0  # per-round wait after verification that the speculation does not explain
+    ema: float = 0.3
+
+    def observe_round_times(self, k: int, b: int, t_verify: float, t_spec: float, t_wait: float) -> None:
+        """One SSD round of a single sequence: drafts of length k verified in t_verify while the draft
+        speculated (k, b) in t_spec; then t_wait more until the next speculation was resolved."""
+        if k + 1 not in self.t_verify or b not in self.t_branch or min(t_verify, t_spec) <= 0:
+            return
+        e = self.ema
+        self.verify_scale = (1 - e) * self.verify_scale + e * t_verify / self.t_verify[k + 1]
+        self.spec_scale = (1 - e) * self.spec_scale + e * t_spec / spec_time(self.t_chain, self.t_branch, k, b)
+        fixed = max(0.0, t_wait - max(0.0, t_spec - t_verify))  # the wait beyond the speculation's overrun
+        self.t_fixed = (1 - e) * self.t_fixed + e * fixed
+
     def choose(self) -> tuple[int, int]:
-        return _choose_ssd(self.t_verify, self.t_chain, self.t_branch, self.acceptance)
+        return _choose_ssd(self.t_verify, self.t_chain, self.t_branch, self.acceptance,
+                           self.verify_scale, self.spec_scale, self.t_fixed)
 
 
 def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float) -> int:
@@ -105,15 +122,22 @@ def budgets(k: int) -> list[int]:
     return sorted({1, 2} | {p * (k + 1) for p in (1, 2, 3, 4)})
 
 
+def spec_time(t_chain: dict[int, float], t_branch: dict[int, float], k: int, b: int) -> float:
+    """Start-up estimate of one round's speculation: score the K + 1 chain tokens, then K steps of b branches."""
+    return t_chain[k + 1] + k * t_branch[b]
+
+
 def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch: dict[int, float],
-                a: float) -> tuple[int, int]:
+                a: float, verify_scale: float = 1.0, spec_scale: float = 1.0, t_fixed: float = 0.0) -> tuple[int, int]:
+    """The (K, B) with the most expected tokens per second; the scales and the fixed per-round cost
+    correct the start-up latencies with what rounds actually took (SSDTuner.observe_round_times)."""
     best, best_score = (K_CHOICES[0], K_CHOICES[0] + 1), -1.0
     for k in K_CHOICES:
         for b in budgets(k):
-            t_spec = t_chain[k + 1] + k * t_branch[b]
+            t_spec = spec_scale * spec_time(t_chain, t_branch, k, b)
             e_hit = model_hit_rate(geometric_fanout(a, PRIOR_R, k, b), a, PRIOR_R)
             # a miss costs a just-in-time draft of k steps on top of the round
-            t_round = max(t_verify[k + 1], t_spec) + (1 - e_hit) * k * t_branch[1]
+            t_round = max(verify_scale * t_verify[k + 1], t_spec) + t_fixed + (1 - e_hit) * k * t_branch[1]
             score = expected_tokens(a, k) / t_round
             if score > best_score:
                 best, best_score = (k, b), score

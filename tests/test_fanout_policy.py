@@ -168,6 +168,25 @@ def test_ssd_tuner_grows_k_when_drafts_are_accepted_and_shrinks_it_when_not():
     assert tuner.choose()[0] == min(K_CHOICES)
 
 
+def test_ssd_tuner_corrects_start_up_latencies_with_measured_rounds():
+    from ssd.autoconfig import SSDTuner, spec_time
+
+    chain = {n: 0.010 + 0.001 * n for n in range(1, 40)}
+    branch = {n: 0.005 + 0.0005 * n for n in range(1, 40)}
+    tuner = SSDTuner(t_verify=CHEAP_VERIFY, t_chain=chain, t_branch=branch)  # prior acceptance 0.8
+    k0, b0 = tuner.choose()
+    for _ in range(40):  # the speculation really takes 20x its start-up estimate and always overruns
+        k, b = tuner.choose()
+        t_spec = 20 * spec_time(chain, branch, k, b)
+        tuner.observe_round_times(k, b, CHEAP_VERIFY[k + 1], t_spec, t_spec - CHEAP_VERIFY[k + 1] + 0.01)
+    assert tuner.spec_scale == pytest.approx(20, rel=0.01)
+    assert tuner.t_fixed == pytest.approx(0.01, rel=0.05)  # the wait the overrun does not explain
+    k1, b1 = tuner.choose()
+    assert k1 < k0 and b1 < b0  # a slower draft: shorter, narrower speculation
+    tuner.observe_round_times(99, 1, 1.0, 1.0, 0.0)  # a length never measured at start-up: ignored
+    assert tuner.spec_scale == pytest.approx(20, rel=0.01)
+
+
 def test_autoconfig_hit_model_credits_the_drafts_top_choice_at_the_bonus_position():
     from ssd.autoconfig import budgets, model_hit_rate
 

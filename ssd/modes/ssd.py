@@ -248,7 +248,11 @@ class SSDMode(DraftBackedMode):
         except WorkerDied as e:
             self._draft_lost(e)
             raise DraftLost(drafts, outcomes) from e
-        self.stats.draft_s += time.perf_counter() - t1  # speculation overrun + lookup + backup
+        t_wait = time.perf_counter() - t1
+        self.stats.draft_s += t_wait  # speculation overrun + lookup + backup
+        if self.tuner is not None and len(seqs) == 1 and len(drafts[0].tokens) == requests[0].k_next:
+            self.tuner.observe_round_times(requests[0].k_next, sum(requests[0].fanout), t_verify, info["seconds"],
+                                           t_wait)
         hits = 0
         for s, o, r, (_, _, _, k_next) in zip(seqs, outcomes, resolutions, resolve_in):
             fanout = self.fanout_used[s.seq_id]
