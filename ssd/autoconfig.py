@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ssd.fanout import geometric_fanout, outcome_probs
+from ssd.fanout import expected_hit_rate, geometric_fanout, outcome_probs
 from ssd.handles import WorkerHandle
 from ssd.policy import expected_tokens
 
@@ -110,10 +110,9 @@ def model_hit_rate(fanout: list[int], a: float, r: float) -> float:
     at k = K the bonus token is the draft's own top choice with probability ~a (the per-token
     agreement), so p_hit = 1 - (1 - a) F^-r there. (The paper's law gives F = 1 no hits at all,
     which would rule out the small budgets that suit drafts accepted ~99 % of the time.)"""
-    probs = outcome_probs(a, len(fanout) - 1)
-    last = len(fanout) - 1
-    return sum(p * (1 - (1 - a if k == last else 1.0) * f ** (-r))
-               for k, (p, f) in enumerate(zip(probs, fanout)) if f > 0)
+    k_max, f_k = len(fanout) - 1, fanout[-1]
+    bonus = outcome_probs(a, k_max)[-1] * a * f_k ** (-r) if f_k > 0 else 0.0  # the paper's misses at K, less
+    return expected_hit_rate(fanout, a, r) + bonus
 
 
 def budgets(k: int) -> list[int]:

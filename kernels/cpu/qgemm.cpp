@@ -86,6 +86,15 @@ inline __m256i block_dot(const __m256i& wq, const __m256i& sgn, const int8_t* x)
     return _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), _mm256_set1_epi16(1));
 }
 
+// Four blocks' dot products (unpacked wq/sgn, activations x) reduced by a hadd tree: lane j of each
+// 128-bit half holds a partial sum of block j; adding the two halves gives the exact block sums.
+template <bool Q4>
+inline __m256i quad_dot(const __m256i* wq, const __m256i* sgn, const int8_t* x) {
+    const __m256i h01 = _mm256_hadd_epi32(block_dot<Q4>(wq[0], sgn[0], x), block_dot<Q4>(wq[1], sgn[1], x + 32));
+    const __m256i h23 = _mm256_hadd_epi32(block_dot<Q4>(wq[2], sgn[2], x + 64), block_dot<Q4>(wq[3], sgn[3], x + 96));
+    return _mm256_hadd_epi32(h01, h23);
+}
+
 // One weight row (blocks converted: sf, of) against `mc` activation rows: y[i] for each.
 // Per 8 blocks: the 8 integer block sums land in one vector (hadd tree, exact), then one
 // cvt + fma with the 8 block scales s * dx (and, q4, one fma with offset * sx). Tail blocks one by one.
@@ -105,11 +114,7 @@ inline void row_dot(const uint8_t* w, const float* sf, const float* of, const in
         const __m256 s8 = _mm256_loadu_ps(sf + b);
         for (int i = 0; i < mc; ++i) {
             const int8_t* x = xq + static_cast<size_t>(i) * K + static_cast<size_t>(b) * QK;
-            const __m256i h01 = _mm256_hadd_epi32(block_dot<Q4>(wq[0], sgn[0], x), block_dot<Q4>(wq[1], sgn[1], x + 32));
-            const __m256i h23 = _mm256_hadd_epi32(block_dot<Q4>(wq[2], sgn[2], x + 64), block_dot<Q4>(wq[3], sgn[3], x + 96));
-            const __m256i h45 = _mm256_hadd_epi32(block_dot<Q4>(wq[4], sgn[4], x + 128), block_dot<Q4>(wq[5], sgn[5], x + 160));
-            const __m256i h67 = _mm256_hadd_epi32(block_dot<Q4>(wq[6], sgn[6], x + 192), block_dot<Q4>(wq[7], sgn[7], x + 224));
-            const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+            const __m256i lo = quad_dot<Q4>(wq, sgn, x), hi = quad_dot<Q4>(wq + 4, sgn + 4, x + 128);
             const __m256i dots = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
                                                   _mm256_permute2x128_si256(lo, hi, 0x31));  // blocks b..b+7
             const size_t at = static_cast<size_t>(i) * nb + b;
@@ -128,9 +133,7 @@ inline void row_dot(const uint8_t* w, const float* sf, const float* of, const in
         const __m128 s4 = _mm_loadu_ps(sf + nb8);
         for (int i = 0; i < mc; ++i) {
             const int8_t* x = xq + static_cast<size_t>(i) * K + static_cast<size_t>(nb8) * QK;
-            const __m256i h01 = _mm256_hadd_epi32(block_dot<Q4>(wq[0], sgn[0], x), block_dot<Q4>(wq[1], sgn[1], x + 32));
-            const __m256i h23 = _mm256_hadd_epi32(block_dot<Q4>(wq[2], sgn[2], x + 64), block_dot<Q4>(wq[3], sgn[3], x + 96));
-            const __m256i q = _mm256_hadd_epi32(h01, h23);
+            const __m256i q = quad_dot<Q4>(wq, sgn, x);
             const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
             const size_t at = static_cast<size_t>(i) * nb + nb8;
             acc4[i] = _mm_fmadd_ps(_mm_mul_ps(s4, _mm_loadu_ps(dx + at)), _mm_cvtepi32_ps(dots), acc4[i]);

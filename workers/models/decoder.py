@@ -336,7 +336,7 @@ class DecoderModel(nn.Module):
 
     def _fused_layers(self, kv: KVView) -> FusedLayers | None:
         """The C descriptors of this model's layers for kv's caches, (re)built when needed; None when
-        the model cannot run them (checked once per cache, so a non-fusable model pays nothing more)."""
+        the model cannot run them (a refusal is remembered: later forwards only compare the signature)."""
         f = self._fused
         if f is not None and f.matches(self, kv.k_cache, kv.v_cache):
             return f
