@@ -53,6 +53,18 @@ def test_ssd_sampling_is_exact(target, draft, case):
     assert p > 1e-3, f"{case}: chi-square p-value {p:.2e}"
 
 
+def test_ssd_with_k_and_budget_retuned_every_round_is_exact(target, draft):
+    """No K or fan-out given: SSDTuner re-chooses both every round (budgets down to one branch)."""
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuation_probs(target, PROMPT, 3, params)
+    with LLM(target=target, draft=draft, mode="ssd", backup="neural", saguaro_c=0.5, dtype="float32",
+             max_batch=64, max_len=96) as llm:
+        assert llm.engine.mode.tuner is not None
+        samples = sample_continuations(llm, PROMPT, 3, params, N_SAMPLES, 17)
+    p = chi_square_pvalue(samples, exact, min_expected=10)
+    assert p > 1e-3, f"chi-square p-value {p:.2e}"
+
+
 def test_auto_switching_through_every_option_is_exact(target, draft, monkeypatch):
     """mode="auto" with the choice forced to change every round, n-gram SD included: still exact."""
     from test_ssd_engine import cycle_policy
