@@ -32,12 +32,15 @@ def test_activation_quantisation_matches_reference_bitwise(dtype):
 
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 17])  # around the kernel's 4-row chunks
-def test_kernel_matches_reference(cls, dtype, m):
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17])  # around the kernel's 8-row chunks
+# K in blocks of 32: 3 (less than one group of 8), 9 (a group and an odd block: q4's half-empty
+# pair), 28 (a half group at the end, as K = 896), 32 (whole groups)
+@pytest.mark.parametrize("k", [96, 288, 896, 1024])
+def test_kernel_matches_reference(cls, dtype, m, k):
     g = torch.Generator().manual_seed(m)
-    w, b = torch.randn(72, 288, generator=g), torch.randn(72, generator=g)  # 9 blocks: a vector + tail
+    w, b = torch.randn(72, k, generator=g), torch.randn(72, generator=g)
     lin = cls.from_float(w, b, dtype)
-    x = torch.randn(m, 288, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
     y, ref = lin(x), lin.ref_forward(x)
     assert y.shape == ref.shape == (m, 72) and y.dtype == dtype
     # Same math (exact integer block sums, fp32 scaling); only fp32 summation order differs.
@@ -52,13 +55,14 @@ def test_kernel_matches_reference(cls, dtype, m):
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rows_are_independent_bitwise(cls, dtype, threads):
+@pytest.mark.parametrize("k", [288, 512, 896])  # a half-empty q4 pair / whole groups / a half group
+def test_rows_are_independent_bitwise(cls, dtype, threads, k):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(2)
-        lin = cls.from_float(torch.randn(161, 512, generator=g), None, dtype)  # N odd: uneven thread split
-        x = torch.randn(17, 512, generator=g).to(dtype)
+        lin = cls.from_float(torch.randn(161, k, generator=g), None, dtype)  # N odd: uneven thread split
+        x = torch.randn(17, k, generator=g).to(dtype)
         full = lin(x)
         for step in (1, 2, 3, 4, 5, 9):
             assert torch.equal(torch.cat([lin(x[i : i + step]) for i in range(0, 17, step)]), full)

@@ -102,7 +102,6 @@ def _lib() -> ctypes.CDLL | str:
     for f in (lib.ssd_quantize_rows, lib.ssd_linear, lib.ssd_rmsnorm, lib.ssd_attend_rows, lib.ssd_linear_dense,
               lib.ssd_silu_mul, lib.ssd_decoder_layers):
         f.restype = None
-    lib.ssd_qgemm_max_blocks.restype = i
     return lib
 
 
@@ -125,8 +124,6 @@ def _require() -> ctypes.CDLL:
 def check_shape(k: int) -> None:
     if k % QK:
         raise ValueError(f"in_features {k} is not a multiple of {QK}")
-    if k // QK > _require().ssd_qgemm_max_blocks():
-        raise ValueError(f"in_features {k} too large for the block-quantised kernel")
 
 
 def _check_x(x: Tensor, k: int) -> None:

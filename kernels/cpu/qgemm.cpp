@@ -6,10 +6,19 @@
 // Activations are quantised per row and block of 32 to int8 (xq, scale dx; Q8_0 style), so each
 // block's dot product is an exact integer sum (maddubs + madd):
 //   q4: y += s * dx * sum(q * xq) + o * (dx * sum(xq))        q8: y += s * dx * sum(q * xq)
+// Per group of 8 blocks the 8 integer sums are gathered into one vector by a hadd tree (exact), then
+// one cvt + fma with the 8 block scales s * dx (q4: and one fma with o * sx, in its own accumulator).
+//
+// q4 reads two weight blocks per 32-byte load: the low nibbles of blocks (2p, 2p+1) are their first
+// 16 codes each, the high nibbles their last 16. The activations are stored in that order
+// (`pack_acts`), so one maddubs pair, an add and a madd give both blocks' partial sums and a group
+// needs 3 hadds; its lanes then hold blocks 0, 2, 4, 6, 1, 3, 5, 7, and dx, sx and the weight
+// scales are put in that order too. Activation rows are padded with zeros to whole groups, so a
+// short last group needs no special case: its missing blocks add exact zeros.
 //
 // Row independence: every output element y[m, n] is computed by the same sequence of floating-point
 // operations whatever M is and whichever rows share a chunk (the chunk only decides how many rows
-// reuse one unpacked weight block). This is what lets a K+1-token verification reproduce one-token
+// reuse one unpacked weight row). This is what lets a K+1-token verification reproduce one-token
 // decoding bit for bit. Build with -ffp-contract=off so the compiler cannot fuse differently in
 // different instantiations.
 //
@@ -28,21 +37,13 @@
 namespace {
 
 constexpr int QK = 32;
-constexpr int MAX_BLOCKS = 4096;  // K <= 131072
-constexpr int MC = 8;             // rows sharing one unpacked weight block
+constexpr int MC = 8;  // activation rows sharing one pass over a weight row
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-inline void fp16_to_f32(const uint16_t* src, float* dst, int n) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-    for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
 }
 
 // sum_i a[i] * b[i]: 8 lanes, then the tail; a fixed order for a given n.
@@ -55,110 +56,166 @@ inline float dot_f32(const float* a, const float* b, int n) {
     return s;
 }
 
-inline int hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
+// Quantised activations as the kernels read them: xq [M, nbp * 32] (q4: paired order), dx and sx
+// [M, nbp] (q4: lane order), nbp = blocks rounded up to a whole group, zero padded.
+struct QActs {
+    int8_t* xq;
+    float* dx;
+    float* sx;
+    int nbp;
+};
 
-// Unsigned maddubs operands of `cnt` weight blocks starting at block b (q4: codes; q8: |q|), and for
-// q8 the signed weights themselves (their signs move onto the activations).
-template <bool Q4>
-inline void unpack(const uint8_t* w, int b, int cnt, __m256i* wq, __m256i* sgn) {
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    for (int j = 0; j < cnt; ++j) {
-        if (Q4) {
-            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (b + j) * 16));
-            wq[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);
-        } else {
-            sgn[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b + j) * 32));
-            wq[j] = _mm256_sign_epi8(sgn[j], sgn[j]);
+constexpr int Q4_LANE_OF_BLOCK[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K, bool q4) {
+    const int nb = K / QK, nbp = (nb + 7) / 8 * 8;
+    QActs a{static_cast<int8_t*>(calloc(static_cast<size_t>(M) * nbp * QK, 1)),
+            static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))),
+            static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))), nbp};
+    for (int m = 0; m < M; ++m)
+        for (int b = 0; b < nb; ++b) {
+            const int g = b / 8 * 8, j = b % 8;
+            const int8_t* src = xq + static_cast<size_t>(m) * K + static_cast<size_t>(b) * QK;
+            int8_t* row = a.xq + static_cast<size_t>(m) * nbp * QK;
+            size_t at = static_cast<size_t>(m) * nbp + b;
+            if (q4) {
+                int8_t* dst = row + static_cast<size_t>(g) * QK + (j / 2) * 64 + (j % 2) * 16;
+                memcpy(dst, src, 16);
+                memcpy(dst + 32, src + 16, 16);
+                at = static_cast<size_t>(m) * nbp + g + Q4_LANE_OF_BLOCK[j];
+            } else {
+                memcpy(row + static_cast<size_t>(b) * QK, src, QK);
+            }
+            a.dx[at] = dx[static_cast<size_t>(m) * nb + b];
+            a.sx[at] = sx[static_cast<size_t>(m) * nb + b];
         }
+    return a;
+}
+
+void free_acts(QActs& a) {
+    free(a.xq);
+    free(a.dx);
+    free(a.sx);
+}
+
+// 8 fp16 scales from `src` (only `cnt` exist; the rest read as 0) as fp32, in q4 lane order if PERM.
+template <bool PERM>
+inline __m256 load_scales(const uint16_t* src, int cnt) {
+    __m128i h;
+    if (cnt == 8) {
+        h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    } else {
+        alignas(16) uint16_t tmp[8] = {};
+        memcpy(tmp, src, sizeof(uint16_t) * cnt);
+        h = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
     }
+    const __m256 f = _mm256_cvtph_ps(h);
+    return PERM ? _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)) : f;
 }
 
-// The 8 lanes of one block's integer dot product sum(q * xq) (still to be added up).
-template <bool Q4>
-inline __m256i block_dot(const __m256i& wq, const __m256i& sgn, const int8_t* x) {
-    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    if (!Q4) xv = _mm256_sign_epi8(xv, sgn);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), _mm256_set1_epi16(1));
-}
-
-// Four blocks' dot products (unpacked wq/sgn, activations x) reduced by a hadd tree: lane j of each
-// 128-bit half holds a partial sum of block j; adding the two halves gives the exact block sums.
-template <bool Q4>
-inline __m256i quad_dot(const __m256i* wq, const __m256i* sgn, const int8_t* x) {
-    const __m256i h01 = _mm256_hadd_epi32(block_dot<Q4>(wq[0], sgn[0], x), block_dot<Q4>(wq[1], sgn[1], x + 32));
-    const __m256i h23 = _mm256_hadd_epi32(block_dot<Q4>(wq[2], sgn[2], x + 64), block_dot<Q4>(wq[3], sgn[3], x + 96));
-    return _mm256_hadd_epi32(h01, h23);
-}
-
-// One weight row (blocks converted: sf, of) against `mc` activation rows: y[i] for each.
-// Per 8 blocks: the 8 integer block sums land in one vector (hadd tree, exact), then one
-// cvt + fma with the 8 block scales s * dx (and, q4, one fma with offset * sx). Tail blocks one by one.
+// One q4 weight row (codes w, fp16 scales sc and offsets oc) against R activation rows from `a`
+// (starting at row m0). R is a template argument so small R keeps its accumulators in registers.
 // `pf`: a later weight row to prefetch at the pace this one is read (nullptr: none).
-template <bool Q4>
-inline void row_dot(const uint8_t* w, const float* sf, const float* of, const int8_t* xq, const float* dx,
-                    const float* sx, int mc, int K, int nb, float* out, const uint8_t* pf) {
-    __m256 acc[MC];
-    for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
-    __m256i wq[8], sgn[8];
-    const int nb8 = nb / 8 * 8;
-    constexpr int step_bytes = 8 * (Q4 ? 16 : 32);
-    for (int b = 0; b < nb8; b += 8) {
+template <int R>
+inline void row_dot_q4(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
+                       float* out, const uint8_t* pf) {
+    __m256 acc[R], acco[R];
+    for (int i = 0; i < R; ++i) acc[i] = acco[i] = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int g = 0; g < nb; g += 8) {
+        const int cnt = nb - g < 8 ? nb - g : 8;
+        if (pf != nullptr) {
+            _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 16, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 16 + 64, _MM_HINT_T0);
+        }
+        __m256i lo[4], hi[4];
+        for (int p = 0; p < 4; ++p) {
+            const int b = g + 2 * p;
+            __m256i v = _mm256_setzero_si256();
+            if (b + 1 < nb)
+                v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
+            else if (b < nb)
+                v = _mm256_inserti128_si256(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16)), 0);
+            lo[p] = _mm256_and_si256(v, mask);
+            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
+        const __m256 s8 = load_scales<true>(sc + g, cnt), o8 = load_scales<true>(oc + g, cnt);
+        for (int i = 0; i < R; ++i) {
+            const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
+            const int8_t* x = a.xq + at * QK;
+            __m256i d[4];
+            for (int p = 0; p < 4; ++p) {
+                const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p));
+                const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p + 32));
+                d[p] = _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xlo), _mm256_maddubs_epi16(hi[p], xhi)), ones);
+            }
+            const __m256i dots = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
+            acco[i] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a.sx + at), acco[i]);
+        }
+    }
+    for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]) + hsum(acco[i]);
+}
+
+// sum(q * xq) of one q8 block, 8 lanes still to add up: the weights' signs move onto the activations
+// so that maddubs sees |q| as its unsigned operand.
+inline __m256i q8_block_dot(const __m256i& wabs, const __m256i& wq, const int8_t* x) {
+    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), wq);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
+}
+
+// One q8 weight row against R activation rows (as row_dot_q4; natural block order).
+template <int R>
+inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0, int nb, float* out,
+                       const uint8_t* pf) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int g = 0; g < nb; g += 8) {
+        const int cnt = nb - g < 8 ? nb - g : 8;
         if (pf != nullptr)
-            for (int p = 0; p < step_bytes; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + b * (step_bytes / 8) + p, _MM_HINT_T0);
-        unpack<Q4>(w, b, 8, wq, sgn);
-        const __m256 s8 = _mm256_loadu_ps(sf + b);
-        for (int i = 0; i < mc; ++i) {
-            const int8_t* x = xq + static_cast<size_t>(i) * K + static_cast<size_t>(b) * QK;
-            const __m256i lo = quad_dot<Q4>(wq, sgn, x), hi = quad_dot<Q4>(wq + 4, sgn + 4, x + 128);
-            const __m256i dots = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
-                                                  _mm256_permute2x128_si256(lo, hi, 0x31));  // blocks b..b+7
-            const size_t at = static_cast<size_t>(i) * nb + b;
-            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
-            if (Q4) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(of + b), _mm256_loadu_ps(sx + at), acc[i]);
+            for (int p = 0; p < 256; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 32 + p, _MM_HINT_T0);
+        __m256i wq[8], wabs[8];
+        for (int j = 0; j < 8; ++j) {
+            wq[j] = j < cnt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g + j) * 32)) : _mm256_setzero_si256();
+            wabs[j] = _mm256_abs_epi8(wq[j]);
+        }
+        const __m256 s8 = load_scales<false>(sc + g, cnt);
+        for (int i = 0; i < R; ++i) {
+            const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
+            const int8_t* x = a.xq + at * QK;
+            __m256i d[8];
+            for (int j = 0; j < 4; ++j) d[j] = q8_block_dot(wabs[j], wq[j], x + 32 * j);
+            // Lanes of q0: low halves of blocks 0..3, then their high halves; q1: blocks 4..7.
+            const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+            __m256i dots;
+            if (cnt > 4) {
+                for (int j = 4; j < 8; ++j) d[j] = q8_block_dot(wabs[j], wq[j], x + 32 * j);
+                const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+                dots = _mm256_add_epi32(_mm256_blend_epi32(q0, q1, 0xF0), _mm256_permute2x128_si256(q0, q1, 0x21));
+            } else {  // blocks 4..7 absent: the same lanes, 4..7 zero (as their zero blocks would give)
+                dots = _mm256_inserti128_si256(
+                    _mm256_setzero_si256(),
+                    _mm_add_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)), 0);
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
         }
     }
-    // A tail of 4+ blocks (K = 896: 28 blocks) the same way on 4 lanes, then single blocks.
-    const int nb4 = nb8 + (nb - nb8) / 4 * 4;
-    __m128 acc4[MC];
-    for (int i = 0; i < MC; ++i) acc4[i] = _mm_setzero_ps();
-    if (nb4 > nb8) {
-        if (pf != nullptr)
-            for (int p = 0; p < step_bytes / 2; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + nb8 * (step_bytes / 8) + p, _MM_HINT_T0);
-        unpack<Q4>(w, nb8, 4, wq, sgn);
-        const __m128 s4 = _mm_loadu_ps(sf + nb8);
-        for (int i = 0; i < mc; ++i) {
-            const int8_t* x = xq + static_cast<size_t>(i) * K + static_cast<size_t>(nb8) * QK;
-            const __m256i q = quad_dot<Q4>(wq, sgn, x);
-            const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-            const size_t at = static_cast<size_t>(i) * nb + nb8;
-            acc4[i] = _mm_fmadd_ps(_mm_mul_ps(s4, _mm_loadu_ps(dx + at)), _mm_cvtepi32_ps(dots), acc4[i]);
-            if (Q4) acc4[i] = _mm_fmadd_ps(_mm_loadu_ps(of + nb8), _mm_loadu_ps(sx + at), acc4[i]);
-        }
-    }
-    for (int i = 0; i < mc; ++i) {
-        __m128 s = _mm_add_ps(acc4[i], _mm_movehl_ps(acc4[i], acc4[i]));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        out[i] = hsum(acc[i]) + _mm_cvtss_f32(s);
-    }
-    for (int b = nb4; b < nb; ++b) {
-        unpack<Q4>(w, b, 1, wq, sgn);
-        for (int i = 0; i < mc; ++i) {
-            const size_t at = static_cast<size_t>(i) * nb + b;
-            const int dot = hsum_i32(block_dot<Q4>(wq[0], sgn[0], xq + static_cast<size_t>(i) * K + b * QK));
-            out[i] += sf[b] * dx[at] * static_cast<float>(dot);
-            if (Q4) out[i] += of[b] * sx[at];
-        }
-    }
+    for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
+}
+
+template <bool Q4, int R>
+inline void row_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
+                    float* out, const uint8_t* pf) {
+    if constexpr (Q4)
+        row_dot_q4<R>(w, sc, oc, a, m0, nb, out, pf);
+    else
+        row_dot_q8<R>(w, sc, a, m0, nb, out, pf);
 }
 
 template <bool Q4>
-void gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const int8_t* xq, const float* dx,
-          const float* sx, int M, int N, int K, void* y, int y_bf16, int nthreads) {
+void block_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N, int K,
+                void* y, int y_bf16, int nthreads) {
     const int nb = K / QK;
     const int row_bytes = Q4 ? K / 2 : K;
 #pragma omp parallel num_threads(nthreads)
@@ -166,9 +223,9 @@ void gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int n0 = static_cast<int>(static_cast<int64_t>(N) * t / nt);
         const int n1 = static_cast<int>(static_cast<int64_t>(N) * (t + 1) / nt);
-        float sf[MAX_BLOCKS], of[MAX_BLOCKS], part[MC];
+        float part[MC];
         // Short rows (K ~ 1000: a few hundred bytes) leave the hardware prefetcher restarting on every
-        // row, so each row also prefetches one ~8 KiB further on (and its scales), as the dense kernel does.
+        // row, so each row also prefetches one ~8 KiB further on (and its scales).
         const int ahead = row_bytes >= 8192 ? 1 : 8192 / row_bytes;
         for (int n = n0; n < n1; ++n) {
             const uint8_t* pf = n + ahead < N ? w + static_cast<size_t>(n + ahead) * row_bytes : nullptr;
@@ -179,14 +236,22 @@ void gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const
                     if (Q4) _mm_prefetch(reinterpret_cast<const char*>(offset + at) + p, _MM_HINT_T0);
                 }
             }
-            fp16_to_f32(scale + static_cast<size_t>(n) * nb, sf, nb);
-            if (Q4) fp16_to_f32(offset + static_cast<size_t>(n) * nb, of, nb);
             const uint8_t* wr = w + static_cast<size_t>(n) * row_bytes;
+            const uint16_t* sr = scale + static_cast<size_t>(n) * nb;
+            const uint16_t* orow = Q4 ? offset + static_cast<size_t>(n) * nb : nullptr;
             for (int m0 = 0; m0 < M; m0 += MC) {
-                const int mc = M - m0 < MC ? M - m0 : MC;
-                row_dot<Q4>(wr, sf, of, xq + static_cast<size_t>(m0) * K, dx + static_cast<size_t>(m0) * nb,
-                            Q4 ? sx + static_cast<size_t>(m0) * nb : nullptr, mc, K, nb, part, m0 == 0 ? pf : nullptr);
-                for (int i = 0; i < mc; ++i) {
+                const uint8_t* p = m0 == 0 ? pf : nullptr;
+                switch (M - m0 < MC ? M - m0 : MC) {
+                    case 1: row_dot<Q4, 1>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 2: row_dot<Q4, 2>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 3: row_dot<Q4, 3>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 4: row_dot<Q4, 4>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 5: row_dot<Q4, 5>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 6: row_dot<Q4, 6>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 7: row_dot<Q4, 7>(wr, sr, orow, a, m0, nb, part, p); break;
+                    default: row_dot<Q4, 8>(wr, sr, orow, a, m0, nb, part, p); break;
+                }
+                for (int i = 0; i < MC && m0 + i < M; ++i) {
                     const size_t at = static_cast<size_t>(m0 + i) * N + n;
                     if (y_bf16)
                         static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[i]);
@@ -341,38 +406,42 @@ void dense_gemm(const void* w, const float* xf, const float* bias, int M, int N,
 
 extern "C" {
 
-int ssd_qgemm_max_blocks() { return MAX_BLOCKS; }
-
 // x [M, K] (fp32, or bf16 when x_bf16) -> xq int8 [M, K], dx = absmax / 127 and sx = dx * sum(xq) per
 // (row, block) [M, K / 32]. xq = round_half_even(x * (1 / dx)); an all-zero block gives dx = 0, xq = 0.
 void ssd_quantize_rows(const void* x, int x_bf16, int M, int K, int8_t* xq, float* dx, float* sx) {
     const int nb = K / QK;
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int m = 0; m < M; ++m) {
         for (int b = 0; b < nb; ++b) {
-            float v[QK];
             const size_t at = static_cast<size_t>(m) * K + static_cast<size_t>(b) * QK;
-            for (int j = 0; j < QK; ++j)
-                v[j] = x_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[at + j]) : static_cast<const float*>(x)[at + j];
-            float amax = 0.0f;
-            for (int j = 0; j < QK; ++j) {
-                const float a = v[j] < 0 ? -v[j] : v[j];
-                amax = a > amax ? a : amax;
-            }
-            const float d = amax / 127.0f;
-            const float id = d != 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int j = 0; j < QK; j += 8) {
-                const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + j), _mm256_set1_ps(id)),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                alignas(32) int32_t qi[8];
-                _mm256_store_si256(reinterpret_cast<__m256i*>(qi), _mm256_cvtps_epi32(r));
-                for (int k = 0; k < 8; ++k) {
-                    xq[at + j + k] = static_cast<int8_t>(qi[k]);
-                    sum += qi[k];
-                }
-            }
+            __m256 v[4];
+            for (int j = 0; j < 4; ++j)
+                v[j] = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                    reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at + 8 * j))), 16))
+                              : _mm256_loadu_ps(static_cast<const float*>(x) + at + 8 * j);
+            // max is exact, so the lane order of this reduction cannot change amax.
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                                      _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float d = _mm_cvtss_f32(h) / 127.0f;
+            const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+            __m256i q[4];
+            for (int j = 0; j < 4; ++j)
+                q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            // packs work per 128-bit half: the dwords come out as q0[0:4], q1[0:4], q2[0:4], q3[0:4],
+            // q0[4:8], ...; one dword permute restores element order (values fit: |q| <= 127).
+            const __m256i bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + at), bytes);
+            const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
             dx[static_cast<size_t>(m) * nb + b] = d;
-            sx[static_cast<size_t>(m) * nb + b] = d * static_cast<float>(sum);
+            sx[static_cast<size_t>(m) * nb + b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
         }
     }
 }
@@ -386,10 +455,12 @@ void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint
     float* dx = static_cast<float*>(malloc(sizeof(float) * M * nb));
     float* sx = static_cast<float*>(malloc(sizeof(float) * M * nb));
     ssd_quantize_rows(x, bf16, M, K, xq, dx, sx);
+    QActs a = pack_acts(xq, dx, sx, M, K, offset != nullptr);
     if (offset != nullptr)
-        gemm<true>(w, scale, offset, xq, dx, sx, M, N, K, y, bf16, nthreads);
+        block_gemm<true>(w, scale, offset, a, M, N, K, y, bf16, nthreads);
     else
-        gemm<false>(w, scale, nullptr, xq, dx, nullptr, M, N, K, y, bf16, nthreads);
+        block_gemm<false>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
+    free_acts(a);
     free(xq);
     free(dx);
     free(sx);
