@@ -1,5 +1,5 @@
-"""Block-quantised W4A8 / W8A8 layers (AVX2 kernel, ssd/kernels/cpu): kernel vs torch reference,
-row independence, rounding bounds, Q4_K codes kept, model plumbing."""
+"""Block-quantised W4A8 / W5A8 / W8A8 layers (AVX2 kernel, ssd/kernels/cpu): kernel vs torch
+reference, row independence, rounding bounds, Q4_K and Q5_0 codes kept, model plumbing."""
 
 import numpy as np
 import pytest
@@ -8,12 +8,12 @@ from test_quant import random_q4k_blocks
 from tiny_models import random_model
 
 from ssd.kernels import cpu as qk
-from ssd.workers.models.blockquant import W4A8Linear, W8A8Linear
-from ssd.workers.models.quant import Int8Linear, q4k_to_affine, quantize_model
+from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W8A8Linear
+from ssd.workers.models.quant import Int8Linear, q4k_to_affine, q5_0_codes, quantize_model
 
 pytestmark = pytest.mark.skipif(not qk.available(), reason=f"block-quantised kernel: {qk.unavailable_reason()}")
 
-CLASSES = [W4A8Linear, W8A8Linear]
+CLASSES = [W4A8Linear, W5A8Linear, W8A8Linear]
 DTYPES = [torch.bfloat16, torch.float32]
 
 
@@ -49,7 +49,7 @@ def test_kernel_matches_reference(cls, dtype, m, k):
     # and the model it defines is close to the float layer: activation + weight rounding only.
     full = torch.nn.functional.linear(x.float(), w, b)
     rel = (torch.linalg.norm(y.float() - full) / torch.linalg.norm(full)).item()
-    assert rel < (0.12 if cls is W4A8Linear else 0.02)
+    assert rel < {W4A8Linear: 0.12, W5A8Linear: 0.06, W8A8Linear: 0.02}[cls]
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -105,6 +105,44 @@ def test_q4k_codes_kept_and_weights_up_to_fp16_scales():
     o16 = lin.offset.float().repeat_interleave(32, dim=1)
     bound = codes.float() * (s - s16).abs() + (o - o16).abs()
     assert ((lin.dequantize() - want).abs() <= bound * 1.001 + 1e-7).all()
+
+
+def random_q5_0_blocks(n_blocks: int, seed: int) -> np.ndarray:
+    """Valid Q5_0 blocks: a finite fp16 d, random high bits and nibbles."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n_blocks, 22), dtype=np.uint8)
+    d = rng.uniform(1e-4, 3e-3, n_blocks) * rng.choice([-1, 1], n_blocks)
+    blocks[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+@pytest.mark.parametrize("k", [512, 288])  # 288: an odd number of blocks (the last pair half empty)
+def test_q5_0_codes_kept_exactly(k):
+    import gguf
+
+    n = 8
+    blocks = random_q5_0_blocks(n * k // 32, seed=k)
+    want = torch.from_numpy(
+        gguf.quants.dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType.Q5_0).reshape(n, k).copy()
+    )
+    codes, scale = q5_0_codes(torch.from_numpy(np.array(blocks)), n, k)
+    assert codes.max() <= 31 and scale.dtype == torch.float16
+    lin = W5A8Linear.from_q5(codes, scale, None, torch.float32)
+    assert torch.equal(lin.codes(), codes)
+    assert torch.equal(lin.dequantize(), want)  # d * (q - 16): exact in fp32
+    x = torch.randn(3, k)
+    torch.testing.assert_close(lin(x), lin.ref_forward(x), rtol=1e-5, atol=1e-5 * lin.ref_forward(x).abs().max().item())
+
+
+def test_q5_pack_layout():
+    codes = (torch.arange(96) % 32).to(torch.uint8).view(1, 96)  # 3 blocks: a pair and a half-empty pair
+    packed = W5A8Linear.pack(codes)
+    assert packed.shape == (1, 128)
+    assert torch.equal(packed[0, :16], codes[0, :16]) and torch.equal(packed[0, 16:32], codes[0, 32:48])
+    assert torch.equal(packed[0, 32:48], codes[0, 16:32]) and torch.equal(packed[0, 48:64], codes[0, 48:64])
+    assert torch.equal(packed[0, 64:80], codes[0, 64:80]) and (packed[0, 80:96] == 0).all()
+    with pytest.raises(ValueError, match="0..31"):
+        W5A8Linear.from_q5(torch.full((1, 32), 32, dtype=torch.uint8), torch.ones(1, 1), None)
 
 
 def test_pack_layout():

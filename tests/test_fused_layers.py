@@ -66,6 +66,33 @@ def test_q_k_v_quantised_differently_run_apart_with_the_same_bits():
         assert torch.equal(x, y), f"forward {i}: max diff {(x - y).abs().max().item()}"
 
 
+def test_q5_layers_as_in_the_05b_gguf_give_the_same_bits():
+    """As in the Q4_K_M qwen-coder-0.5b GGUF: q/k/o/gate/up Q5_0 (W5A8Linear), v Q5_0 or 8-bit, down 4-bit."""
+    from ssd.workers.models.blockquant import W5A8Linear
+
+    m = random_model(vocab=VOCAB, hidden=128, heads=4, kv_heads=2, layers=3, seed=5).to(torch.bfloat16)
+    q5 = {}
+    for name, mod in m.named_modules():
+        if isinstance(mod, torch.nn.Linear) and not name.endswith(("down_proj", "lm_head")):
+            if name.endswith("v_proj") and name.startswith("layers.1."):
+                continue
+            lin = W5A8Linear.from_float(mod.weight.float())
+            q5[name] = (lin.codes(), lin.scale)
+    model = quantize_model(m, "w4a8", q5=q5, overrides={"layers.1.self_attn.v_proj": "w8a8"})
+    assert isinstance(model.layers[0].self_attn.qkv_proj, W5A8Linear)  # fused q/k/v, all q5
+    assert isinstance(model.layers[0].mlp.gate_up_proj, W5A8Linear)
+    ref = script(model, use_fused=False)
+    got = script(model, use_fused=True)
+    kinds = [
+        [d.kind for d in (layer.q, layer.o, layer.gate_up, layer.down)]
+        + ([layer.k.kind, layer.v.kind] if layer.qkv_parts == 3 else [])
+        for layer in model._fused.layers
+    ]
+    assert kinds[0] == [3, 3, 3, 1] and kinds[1] == [3, 3, 3, 1, 3, 2]  # layer 1: q5 q and k, 8-bit v
+    for i, (x, y) in enumerate(zip(ref, got)):
+        assert torch.equal(x, y), f"forward {i}: max diff {(x - y).abs().max().item()}"
+
+
 def test_falls_back_where_it_cannot_run():
     int8 = tiny("int8")
     cache = torch.zeros(1, dtype=torch.bfloat16)

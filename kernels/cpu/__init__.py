@@ -1,4 +1,4 @@
-"""CPU kernels (``qgemm.cpp``, AVX2): block-quantised GEMM (int4 / int8 weights x int8 activations,
+"""CPU kernels (``qgemm.cpp``, AVX2): block-quantised GEMM (int4 / int5 / int8 weights x int8 activations,
 per block of 32), a dense GEMM for unquantised fp32/bf16 weights (fp32 accumulation), RMSNorm and
 token-by-token attention over the KV cache, all row-independent (the batch-invariant path); and
 (``decoder_layer.cpp``) SiLU * up and whole decoder layers built from those kernels in one call.
@@ -30,8 +30,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "QK", "LayerDesc", "LinearDesc", "RowPlan", "attend_rows", "available", "decoder_layers", "linear", "linear_dense",
-    "quantize_rows", "ref_attend_rows", "ref_quantize_rows", "rmsnorm", "silu_mul", "unavailable_reason",
+    "BLOCK_FORMATS", "QK", "LayerDesc", "LinearDesc", "RowPlan", "attend_rows", "available", "decoder_layers", "linear",
+    "linear_dense", "quantize_rows", "ref_attend_rows", "ref_quantize_rows", "rmsnorm", "silu_mul",
+    "unavailable_reason",
 ]
 
 QK = 32  # weights and activations are quantised in blocks of 32 along K
@@ -91,7 +92,7 @@ def _lib() -> ctypes.CDLL | str:
         return str(e)
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.ssd_quantize_rows.argtypes = [p, i, i, i, p, p, p]
-    lib.ssd_linear.argtypes = [p, i, i, i, p, p, p, p, i, i]
+    lib.ssd_linear.argtypes = [p, i, i, i, p, p, p, i, p, i, i]
     lib.ssd_rmsnorm.argtypes = [p, p, p, i, i, i, ctypes.c_float]
     lib.ssd_attend_rows.argtypes = [p, ctypes.c_int64, p, p, p, i, i, i, i, i, i, p, p, p, p, i]
     lib.ssd_linear_dense.argtypes = [p, i, i, i, i, p, i, p, p, i]
@@ -158,18 +159,30 @@ def ref_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return xq.to(torch.int8).view(m, k), dx, sx
 
 
-def linear(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor | None) -> Tensor:
-    """y [M, N] = x [M, K] @ W^T, x's dtype; W[n, 32b + j] = scale[n, b] * q (+ offset[n, b] for q4).
+BLOCK_FORMATS = {"q4": 1, "q8": 2, "q5": 3}  # as LinearDesc.kind
 
-    q4 (offset given): qweight [N, K/2] packed codes 0..15; q8: qweight int8 [N, K]. x must be a
-    contiguous fp32/bf16 CPU tensor with K a multiple of 32 (the layers check once, at build time).
+
+def linear(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor | None = None, fmt: str = "q8") -> Tensor:
+    """y [M, N] = x [M, K] @ W^T in x's dtype, W in blocks of 32 along K with fp16 scale [N, K/32]:
+
+    * "q4": W = scale * q + offset, qweight [N, K/2] packed codes 0..15, offset fp16 [N, K/32];
+    * "q8": W = scale * q, qweight int8 [N, K];
+    * "q5": W = scale * (q - 16), qweight uint8 [N, 64 * ceil(K/64)] codes 0..31 in pairs of blocks
+      (see ssd.workers.models.blockquant.W5A8Linear.pack).
+
+    x must be a contiguous fp32/bf16 CPU tensor with K a multiple of 32 (the layers check once, at
+    build time).
     """
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}; one of {', '.join(BLOCK_FORMATS)}")
+    if (fmt == "q4") != (offset is not None):
+        raise ValueError("q4 weights need an offset, and only q4 weights take one")
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
     _require().ssd_linear(
         x.data_ptr(), m, n, k, qweight.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(),
-        y.data_ptr(), x.dtype == torch.bfloat16, torch.get_num_threads(),
+        BLOCK_FORMATS[fmt], y.data_ptr(), x.dtype == torch.bfloat16, torch.get_num_threads(),
     )
     return y
 
@@ -286,7 +299,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 
 class LinearDesc(ctypes.Structure):
-    """One linear layer for ssd_decoder_layers: kind 0 dense (fp32/bf16 weight), 1 block q4, 2 block q8."""
+    """One linear layer for ssd_decoder_layers: kind 0 dense (fp32/bf16 weight), else a BLOCK_FORMATS value."""
 
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("w_bf16", ctypes.c_int32),
                 ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),

@@ -34,7 +34,7 @@ inline void act_store(void* p, size_t i, float v, int bf16) {
 
 extern "C" {
 void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint16_t* scale, const uint16_t* offset,
-                void* y, int bf16, int nthreads);
+                int fmt, void* y, int bf16, int nthreads);
 void ssd_linear_dense(const void* x, int x_bf16, int M, int N, int K, const void* w, int w_bf16, const void* bias,
                       void* y, int nthreads);
 void ssd_rmsnorm(const void* x, const void* weight, void* out, int bf16, int M, int D, float eps);

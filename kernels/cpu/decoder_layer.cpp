@@ -20,7 +20,7 @@ extern "C" {
 
 // Mirrors ssd.kernels.cpu.LinearDesc (ctypes).
 struct SsdLinear {
-    int32_t kind;  // 0: dense fp32/bf16 weights; 1: block q4 (w4a8); 2: block q8 (w8a8)
+    int32_t kind;  // 0: dense fp32/bf16 weights; 1: block q4 (w4a8); 2: block q8 (w8a8); 3: block q5 (Q5_0)
     int32_t n, k;
     int32_t w_bf16;          // dense: weights (and bias) are bf16
     const void* w;           // dense weight [N, K], or block codes
@@ -62,8 +62,8 @@ void run_linear(const SsdLinear& l, const void* x, int M, void* y, int bf16, int
         ssd_linear_dense(x, bf16, M, l.n, l.k, l.w, l.w_bf16, l.bias, y, nthreads);
         return;
     }
-    ssd_linear(x, M, l.n, l.k, static_cast<const uint8_t*>(l.w), l.scale, l.kind == 1 ? l.offset : nullptr, y, bf16,
-               nthreads);
+    ssd_linear(x, M, l.n, l.k, static_cast<const uint8_t*>(l.w), l.scale, l.kind == 1 ? l.offset : nullptr, l.kind, y,
+               bf16, nthreads);
     if (l.bias != nullptr)  // y + bias in the activation dtype, as _BlockLinear.forward's y.add_(bias)
         for (int m = 0; m < M; ++m)
             for (int n = 0; n < l.n; ++n) {

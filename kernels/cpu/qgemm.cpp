@@ -1,20 +1,24 @@
 // Block-quantised GEMM for CPU decoding (AVX2 + FMA + F16C): y[M, N] = x[M, K] @ W[N, K]^T.
 //
-// Weights come in blocks of 32 along K with fp16 scales:
-//   q4: w = s * q + o, q in 0..15 (16 bytes per block: byte j = q[j] | q[j + 16] << 4)
-//   q8: w = s * q,     q in -127..127 (32 bytes per block)
+// Weights come in blocks of 32 along K with fp16 scales (formats numbered as SsdLinear.kind):
+//   q4 (1): w = s * q + o,    q in 0..15 (16 bytes per block: byte j = q[j] | q[j + 16] << 4)
+//   q8 (2): w = s * q,        q in -127..127 (32 bytes per block)
+//   q5 (3): w = s * (q - 16), q in 0..31 (GGUF Q5_0), one code per byte in the paired order below
 // Activations are quantised per row and block of 32 to int8 (xq, scale dx; Q8_0 style), so each
 // block's dot product is an exact integer sum (maddubs + madd):
 //   q4: y += s * dx * sum(q * xq) + o * (dx * sum(xq))        q8: y += s * dx * sum(q * xq)
+//   q5: as q4 with o = -16 s
 // Per group of 8 blocks the 8 integer sums are gathered into one vector by a hadd tree (exact), then
 // one cvt + fma with the 8 block scales s * dx (q4: and one fma with o * sx, in its own accumulator).
 //
 // q4 reads two weight blocks per 32-byte load: the low nibbles of blocks (2p, 2p+1) are their first
-// 16 codes each, the high nibbles their last 16. The activations are stored in that order
-// (`pack_acts`), so one maddubs pair, an add and a madd give both blocks' partial sums and a group
-// needs 3 hadds; its lanes then hold blocks 0, 2, 4, 6, 1, 3, 5, 7, and dx, sx and the weight
-// scales are put in that order too. Activation rows are padded with zeros to whole groups, so a
-// short last group needs no special case: its missing blocks add exact zeros.
+// 16 codes each, the high nibbles their last 16. q5 stores each pair of blocks the same way, one
+// code per byte: 64 bytes [A[0:16], B[0:16], A[16:32], B[16:32]] (an odd last block padded with
+// zeros). The activations are stored in that order (`pack_acts`), so one maddubs pair, an add and
+// a madd give both blocks' partial sums (codes < 64 keep the int16 sums exact) and a group needs
+// 3 hadds; its lanes then hold blocks 0, 2, 4, 6, 1, 3, 5, 7, and dx, sx and the weight scales are
+// put in that order too. Activation rows are padded with zeros to whole groups, so a short last
+// group needs no special case: its missing blocks add exact zeros.
 //
 // Row independence: every output element y[m, n] is computed by the same sequence of floating-point
 // operations whatever M is and whichever rows share a chunk (the chunk only decides how many rows
@@ -38,6 +42,13 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int MC = 8;  // activation rows sharing one pass over a weight row
+constexpr int FMT_Q4 = 1, FMT_Q8 = 2, FMT_Q5 = 3;
+
+// Bytes of one weight row of K inputs.
+inline size_t row_bytes_of(int fmt, int K) {
+    const int nb = K / QK;
+    return fmt == FMT_Q4 ? K / 2 : fmt == FMT_Q8 ? K : static_cast<size_t>((nb + 1) / 2) * 64;
+}
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -67,7 +78,7 @@ struct QActs {
 
 constexpr int Q4_LANE_OF_BLOCK[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
-QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K, bool q4) {
+QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K, bool paired) {
     const int nb = K / QK, nbp = (nb + 7) / 8 * 8;
     QActs a{static_cast<int8_t*>(calloc(static_cast<size_t>(M) * nbp * QK, 1)),
             static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))),
@@ -78,7 +89,7 @@ QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K
             const int8_t* src = xq + static_cast<size_t>(m) * K + static_cast<size_t>(b) * QK;
             int8_t* row = a.xq + static_cast<size_t>(m) * nbp * QK;
             size_t at = static_cast<size_t>(m) * nbp + b;
-            if (q4) {
+            if (paired) {
                 int8_t* dst = row + static_cast<size_t>(g) * QK + (j / 2) * 64 + (j % 2) * 16;
                 memcpy(dst, src, 16);
                 memcpy(dst + 32, src + 16, 16);
@@ -113,24 +124,28 @@ inline __m256 load_scales(const uint16_t* src, int cnt) {
     return PERM ? _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)) : f;
 }
 
-// One q4 weight row (codes w, fp16 scales sc and offsets oc) against R activation rows from `a`
-// (starting at row m0). R is a template argument so small R keeps its accumulators in registers.
-// `pf`: a later weight row to prefetch at the pace this one is read (nullptr: none).
-template <int R>
-inline void row_dot_q4(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
-                       float* out, const uint8_t* pf) {
+// One q4 or q5 weight row (codes w, fp16 scales sc, q4: fp16 offsets oc) against R activation
+// rows from `a` (starting at row m0). R is a template argument so small R keeps its accumulators in
+// registers. `pf`: a later weight row to prefetch at the pace this one is read (nullptr: none).
+template <int FMT, int R>
+inline void row_dot_paired(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
+                           float* out, const uint8_t* pf) {
+    constexpr int group_bytes = FMT == FMT_Q4 ? 128 : 256;  // weight bytes per group of 8 blocks
     __m256 acc[R], acco[R];
     for (int i = 0; i < R; ++i) acc[i] = acco[i] = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int g = 0; g < nb; g += 8) {
-        const int cnt = nb - g < 8 ? nb - g : 8;
-        if (pf != nullptr) {
-            _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 16, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 16 + 64, _MM_HINT_T0);
-        }
+        const int cnt = nb - g < 8 ? nb - g : 8, pairs = (cnt + 1) / 2;
+        if (pf != nullptr)
+            for (int q = 0; q < group_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g / 8 * group_bytes + q, _MM_HINT_T0);
         __m256i lo[4], hi[4];
         for (int p = 0; p < 4; ++p) {
             const int b = g + 2 * p;
+            if (FMT == FMT_Q5) {  // padded rows: every present pair has its full 64 bytes
+                lo[p] = p < pairs ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32)) : _mm256_setzero_si256();
+                hi[p] = p < pairs ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32 + 32)) : _mm256_setzero_si256();
+                continue;
+            }
             __m256i v = _mm256_setzero_si256();
             if (b + 1 < nb)
                 v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
@@ -139,12 +154,17 @@ inline void row_dot_q4(const uint8_t* w, const uint16_t* sc, const uint16_t* oc,
             lo[p] = _mm256_and_si256(v, mask);
             hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
         }
-        const __m256 s8 = load_scales<true>(sc + g, cnt), o8 = load_scales<true>(oc + g, cnt);
+        const __m256 s8 = load_scales<true>(sc + g, cnt);
+        const __m256 o8 = FMT == FMT_Q4 ? load_scales<true>(oc + g, cnt) : _mm256_mul_ps(s8, _mm256_set1_ps(-16.0f));
         for (int i = 0; i < R; ++i) {
             const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
             const int8_t* x = a.xq + at * QK;
             __m256i d[4];
             for (int p = 0; p < 4; ++p) {
+                if (p >= pairs) {  // a short last group: absent pairs add zeros
+                    d[p] = _mm256_setzero_si256();
+                    continue;
+                }
                 const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p));
                 const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p + 32));
                 d[p] = _mm256_madd_epi16(
@@ -204,20 +224,20 @@ inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
 
-template <bool Q4, int R>
+template <int FMT, int R>
 inline void row_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
                     float* out, const uint8_t* pf) {
-    if constexpr (Q4)
-        row_dot_q4<R>(w, sc, oc, a, m0, nb, out, pf);
-    else
+    if constexpr (FMT == FMT_Q8)
         row_dot_q8<R>(w, sc, a, m0, nb, out, pf);
+    else
+        row_dot_paired<FMT, R>(w, sc, oc, a, m0, nb, out, pf);
 }
 
-template <bool Q4>
+template <int FMT>
 void block_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N, int K,
                 void* y, int y_bf16, int nthreads) {
     const int nb = K / QK;
-    const int row_bytes = Q4 ? K / 2 : K;
+    const size_t row_bytes = row_bytes_of(FMT, K);
 #pragma omp parallel num_threads(nthreads)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -226,30 +246,30 @@ void block_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset,
         float part[MC];
         // Short rows (K ~ 1000: a few hundred bytes) leave the hardware prefetcher restarting on every
         // row, so each row also prefetches one ~8 KiB further on (and its scales).
-        const int ahead = row_bytes >= 8192 ? 1 : 8192 / row_bytes;
+        const int ahead = row_bytes >= 8192 ? 1 : static_cast<int>(8192 / row_bytes);
         for (int n = n0; n < n1; ++n) {
             const uint8_t* pf = n + ahead < N ? w + static_cast<size_t>(n + ahead) * row_bytes : nullptr;
             if (pf != nullptr) {
                 const size_t at = static_cast<size_t>(n + ahead) * nb;
                 for (int p = 0; p < nb * 2; p += 64) {
                     _mm_prefetch(reinterpret_cast<const char*>(scale + at) + p, _MM_HINT_T0);
-                    if (Q4) _mm_prefetch(reinterpret_cast<const char*>(offset + at) + p, _MM_HINT_T0);
+                    if (FMT == FMT_Q4) _mm_prefetch(reinterpret_cast<const char*>(offset + at) + p, _MM_HINT_T0);
                 }
             }
             const uint8_t* wr = w + static_cast<size_t>(n) * row_bytes;
             const uint16_t* sr = scale + static_cast<size_t>(n) * nb;
-            const uint16_t* orow = Q4 ? offset + static_cast<size_t>(n) * nb : nullptr;
+            const uint16_t* orow = FMT == FMT_Q4 ? offset + static_cast<size_t>(n) * nb : nullptr;
             for (int m0 = 0; m0 < M; m0 += MC) {
                 const uint8_t* p = m0 == 0 ? pf : nullptr;
                 switch (M - m0 < MC ? M - m0 : MC) {
-                    case 1: row_dot<Q4, 1>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 2: row_dot<Q4, 2>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 3: row_dot<Q4, 3>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 4: row_dot<Q4, 4>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 5: row_dot<Q4, 5>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 6: row_dot<Q4, 6>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 7: row_dot<Q4, 7>(wr, sr, orow, a, m0, nb, part, p); break;
-                    default: row_dot<Q4, 8>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 1: row_dot<FMT, 1>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 2: row_dot<FMT, 2>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 3: row_dot<FMT, 3>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 4: row_dot<FMT, 4>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 5: row_dot<FMT, 5>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 6: row_dot<FMT, 6>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 7: row_dot<FMT, 7>(wr, sr, orow, a, m0, nb, part, p); break;
+                    default: row_dot<FMT, 8>(wr, sr, orow, a, m0, nb, part, p); break;
                 }
                 for (int i = 0; i < MC && m0 + i < M; ++i) {
                     const size_t at = static_cast<size_t>(m0 + i) * N + n;
@@ -448,18 +468,21 @@ void ssd_quantize_rows(const void* x, int x_bf16, int M, int K, int8_t* xq, floa
 
 // y [M, N] = x [M, K] @ W^T: quantise x's rows (as ssd_quantize_rows), then the block GEMM.
 // x and y share one dtype (bf16 when bf16, else fp32). offset == nullptr: q8 weights, else q4.
+// fmt: 1 q4 (offset given), 2 q8, 3 q5 (see the top of this file).
 void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint16_t* scale,
-                const uint16_t* offset, void* y, int bf16, int nthreads) {
+                const uint16_t* offset, int fmt, void* y, int bf16, int nthreads) {
     const size_t nb = static_cast<size_t>(K) / QK;
     int8_t* xq = static_cast<int8_t*>(malloc(static_cast<size_t>(M) * K));
     float* dx = static_cast<float*>(malloc(sizeof(float) * M * nb));
     float* sx = static_cast<float*>(malloc(sizeof(float) * M * nb));
     ssd_quantize_rows(x, bf16, M, K, xq, dx, sx);
-    QActs a = pack_acts(xq, dx, sx, M, K, offset != nullptr);
-    if (offset != nullptr)
-        block_gemm<true>(w, scale, offset, a, M, N, K, y, bf16, nthreads);
+    QActs a = pack_acts(xq, dx, sx, M, K, fmt != FMT_Q8);
+    if (fmt == FMT_Q4)
+        block_gemm<FMT_Q4>(w, scale, offset, a, M, N, K, y, bf16, nthreads);
+    else if (fmt == FMT_Q5)
+        block_gemm<FMT_Q5>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
     else
-        block_gemm<false>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
+        block_gemm<FMT_Q8>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
     free_acts(a);
     free(xq);
     free(dx);

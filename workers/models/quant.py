@@ -235,7 +235,7 @@ class Int4Linear(_QuantLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-# -- GGUF Q4_K ------------------------------------------------------------------------------------
+# -- GGUF Q4_K, Q5_0 ------------------------------------------------------------------------------
 
 
 def q4k_to_affine(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -260,6 +260,24 @@ def q4k_to_affine(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, t
     scale = (d * sc.float()).reshape(n, k // 32)
     offset = (-(dmin * mn.float())).reshape(n, k // 32)
     return codes, scale, offset
+
+
+def q5_0_codes(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw GGUF Q5_0 bytes (n * k / 32 blocks of 22) -> codes [n, k] uint8 (0..31), scale fp16 [n, k/32].
+
+    A Q5_0 block holds fp16 d, 32 high bits (uint32, bit j for weight j) and 16 bytes of nibbles
+    (low nibble: weight j, high nibble: weight j + 16); weight = d * (q - 16), as in
+    gguf.quants.Q5_0.dequantize_blocks.
+    """
+    b = blocks.view(torch.uint8).reshape(-1, 22)
+    if b.shape[0] * 32 != n * k:
+        raise ValueError(f"Q5_0 data holds {b.shape[0] * 32} weights, expected {n}x{k}")
+    scale = b[:, 0:2].contiguous().view(torch.float16).reshape(n, k // 32)
+    qh = b[:, 2:6].contiguous().view(torch.int32)  # [blocks, 1], little-endian
+    high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)  # [blocks, 32]
+    qs = b[:, 6:22]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=1) | (high << 4)
+    return codes.reshape(n, k), scale
 
 
 # -- whole models ---------------------------------------------------------------------------------
@@ -302,6 +320,7 @@ def quantize_model(
     head: str | None = "default",
     overrides: dict[str, str] | None = None,
     affine_int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    q5: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     fuse: bool = True,
 ) -> nn.Module:
     """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear (round to nearest).
@@ -313,7 +332,9 @@ def quantize_model(
     of a decode step, so it keeps 8 bits; None keeps it floating point, which also gives up batch
     invariance). `overrides`: {module name: mode} for particular layers.
     `affine_int4`: {module name: (codes [N, K] 0..15, scale, offset [N, K/32])} used as they are
-    (w = scale * q + offset, e.g. GGUF Q4_K) instead of rounding the float weights. `fuse`: merge
+    (w = scale * q + offset, e.g. GGUF Q4_K) instead of rounding the float weights. `q5`: {module
+    name: (codes [N, K] 0..31, scale [N, K/32])}, w = scale * (q - 16) (GGUF Q5_0), kept exactly as
+    W5A8Linear where the layer's mode is "w4a8". `fuse`: merge
     q/k/v and gate/up into one layer each where they end up the same kind (fuse_projections).
     Sets `model.batch_invariant` when every linear ends up quantised. Per-layer relative Frobenius
     errors are logged at DEBUG. On CUDA, when this torch lacks a kernel the model stays in floating
@@ -323,7 +344,7 @@ def quantize_model(
         return model
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization {mode!r}; use None or one of {', '.join(QUANT_MODES)}")
-    overrides, affine_int4 = overrides or {}, affine_int4 or {}
+    overrides, affine_int4, q5 = overrides or {}, affine_int4 or {}, q5 or {}
     if head == "default":
         head = DEFAULT_HEAD[mode]
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -373,6 +394,13 @@ def quantize_model(
                 from ssd.workers.models.blockquant import W4A8Linear
 
                 q = W4A8Linear.from_affine(codes, scale, offset, lin.bias, dtype)
+        elif lmode == "w4a8" and name in q5:
+            from ssd.workers.models.blockquant import W5A8Linear
+
+            codes, scale = q5[name]
+            if tuple(codes.shape) != tuple(weight.shape):
+                raise ValueError(f"{name}: q5 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
+            q = W5A8Linear.from_q5(codes, scale, lin.bias, dtype)
         else:
             q = make_quant_linear(lmode, weight, lin.bias, dtype)
         if debug:
