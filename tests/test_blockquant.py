@@ -204,3 +204,21 @@ def test_model_to_dtype_keeps_the_quantised_weights():
         assert lin.scale.dtype == torch.float16 and torch.equal(lin.dequantize(), w_before)
         tol = 2**-6
         torch.testing.assert_close(lin(x.bfloat16()).float(), before, rtol=tol, atol=tol * before.abs().max().item())
+
+
+@pytest.mark.real_model
+def test_real_05b_q5_0_layers_load_exactly():
+    """qwen-coder-0.5b's Q4_K_M GGUF stores q/k/o/gate/up as Q5_0: w4a8 keeps their 5-bit codes."""
+    import gguf
+
+    from ssd.workers.loader import load_model, resolve_alias
+
+    reader = gguf.GGUFReader(resolve_alias("qwen-coder-0.5b"))
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate.weight")
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q5_0
+    k, n = (int(x) for x in t.shape[:2])
+    want = torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(n, k).copy())
+    model = load_model("qwen-coder-0.5b", dtype=torch.bfloat16, quantization="w4a8", progress=False).model
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert isinstance(gate_up, W5A8Linear)
+    assert torch.equal(gate_up.dequantize()[:n], want)  # gate rows first, exactly the file's weights
