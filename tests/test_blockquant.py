@@ -4,7 +4,7 @@ reference, row independence, rounding bounds, Q4_K and Q5_0 codes kept, model pl
 import numpy as np
 import pytest
 import torch
-from test_quant import random_q4k_blocks
+from test_quant import random_q4k_blocks, real_gguf_tensor
 from tiny_models import random_model
 
 from ssd.kernels import cpu as qk
@@ -211,13 +211,10 @@ def test_real_05b_q5_0_layers_load_exactly():
     """qwen-coder-0.5b's Q4_K_M GGUF stores q/k/o/gate/up as Q5_0: w4a8 keeps their 5-bit codes."""
     import gguf
 
-    from ssd.workers.loader import load_model, resolve_alias
+    from ssd.workers.loader import load_model
 
-    reader = gguf.GGUFReader(resolve_alias("qwen-coder-0.5b"))
-    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate.weight")
-    assert t.tensor_type == gguf.GGMLQuantizationType.Q5_0
-    k, n = (int(x) for x in t.shape[:2])
-    want = torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(n, k).copy())
+    data, n, k = real_gguf_tensor("qwen-coder-0.5b", "blk.0.ffn_gate.weight", "Q5_0")
+    want = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q5_0).reshape(n, k).copy())
     model = load_model("qwen-coder-0.5b", dtype=torch.bfloat16, quantization="w4a8", progress=False).model
     gate_up = model.layers[0].mlp.gate_up_proj
     assert isinstance(gate_up, W5A8Linear)

@@ -109,17 +109,21 @@ def test_q4k_maps_to_int4_without_rerounding():
     check_q4k_mapping(random_q4k_blocks(n * k // 256, seed=3), n, k)
 
 
-@pytest.mark.real_model
-def test_q4k_real_tensor_maps_exactly():
+def real_gguf_tensor(alias: str, name: str, kind: str) -> tuple[np.ndarray, int, int]:
+    """(raw data, N, K) of tensor `name` in the real GGUF `alias`, checked to be of GGML type `kind`."""
     import gguf
 
     from ssd.workers.loader import resolve_alias
 
-    reader = gguf.GGUFReader(resolve_alias("qwen-coder-1.5b"))
-    t = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
-    assert t.tensor_type == gguf.GGMLQuantizationType.Q4_K
-    k, n = (int(x) for x in t.shape[:2])
-    check_q4k_mapping(np.asarray(t.data), n, k)
+    t = next(t for t in gguf.GGUFReader(resolve_alias(alias)).tensors if t.name == name)
+    assert t.tensor_type == gguf.GGMLQuantizationType[kind]
+    k, n = (int(x) for x in t.shape[:2])  # GGUF lists ne[] innermost first
+    return np.asarray(t.data), n, k
+
+
+@pytest.mark.real_model
+def test_q4k_real_tensor_maps_exactly():
+    check_q4k_mapping(*real_gguf_tensor("qwen-coder-1.5b", "blk.0.attn_q.weight", "Q4_K"))
 
 
 def test_quantize_model_replaces_every_linear(caplog):

@@ -76,7 +76,7 @@ struct QActs {
     int nbp;
 };
 
-constexpr int Q4_LANE_OF_BLOCK[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+constexpr int PAIRED_LANE_OF_BLOCK[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // block j of a group -> its hadd lane
 
 QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K, bool paired) {
     const int nb = K / QK, nbp = (nb + 7) / 8 * 8;
@@ -93,7 +93,7 @@ QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K
                 int8_t* dst = row + static_cast<size_t>(g) * QK + (j / 2) * 64 + (j % 2) * 16;
                 memcpy(dst, src, 16);
                 memcpy(dst + 32, src + 16, 16);
-                at = static_cast<size_t>(m) * nbp + g + Q4_LANE_OF_BLOCK[j];
+                at = static_cast<size_t>(m) * nbp + g + PAIRED_LANE_OF_BLOCK[j];
             } else {
                 memcpy(row + static_cast<size_t>(b) * QK, src, QK);
             }
@@ -185,7 +185,7 @@ inline __m256i q8_block_dot(const __m256i& wabs, const __m256i& wq, const int8_t
     return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
 }
 
-// One q8 weight row against R activation rows (as row_dot_q4; natural block order).
+// One q8 weight row against R activation rows (as row_dot_paired; natural block order).
 template <int R>
 inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0, int nb, float* out,
                        const uint8_t* pf) {

@@ -51,6 +51,24 @@ def _nudge_fp16(h: torch.Tensor, ok: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(ok, h, torch.nextafter(h, step))
 
 
+def _round_symmetric(weight: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest per block of 32: scale = absmax / qmax rounded up to fp16 (so no code clamps),
+    q = round(w / scale) in -qmax..qmax (int8 [N, K]); + scale fp16 [N, K/32]."""
+    weight = weight.detach()
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n, k // QK, dtype=torch.float16)
+    for r in range(0, n, _ROWS):  # row blocks: fp32 temporaries stay in cache
+        g = weight[r : r + _ROWS].to(torch.float32, copy=True).view(-1, k // QK, QK)
+        amax = g.abs().amax(dim=-1)
+        s = (amax / qmax).half()
+        s = _nudge_fp16(s, qmax * s.float() >= amax, up=True)
+        s_safe = torch.where(s > 0, s.float(), torch.ones_like(s, dtype=torch.float32))
+        q[r : r + _ROWS] = g.div_(s_safe[..., None]).round_().clamp_(-qmax, qmax).view(-1, k).to(torch.int8)
+        scale[r : r + _ROWS] = s
+    return q, scale
+
+
 class _BlockLinear(_QuantLinear):
     block = QK
     qweight: torch.Tensor
@@ -184,20 +202,8 @@ class W8A8Linear(_BlockLinear):
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
     ) -> W8A8Linear:
         """Round to nearest, symmetric per block: scale = absmax / 127 rounded up to fp16 (no code clamps)."""
-        act_dtype = act_dtype or weight.dtype
-        weight = weight.detach()
-        n, k = weight.shape
-        q = torch.empty(n, k, dtype=torch.int8)
-        scale = torch.empty(n, k // QK, dtype=torch.float16)
-        for r in range(0, n, _ROWS):
-            g = weight[r : r + _ROWS].to(torch.float32, copy=True).view(-1, k // QK, QK)
-            amax = g.abs().amax(dim=-1)
-            s = (amax / 127.0).half()
-            s = _nudge_fp16(s, 127.0 * s.float() >= amax, up=True)
-            s_safe = torch.where(s > 0, s.float(), torch.ones_like(s, dtype=torch.float32))
-            q[r : r + _ROWS] = g.div_(s_safe[..., None]).round_().clamp_(-127, 127).view(-1, k).to(torch.int8)
-            scale[r : r + _ROWS] = s
-        return cls(q, scale, bias, act_dtype)
+        q, scale = _round_symmetric(weight, 127)
+        return cls(q, scale, bias, act_dtype or weight.dtype)
 
     def dequantize(self) -> torch.Tensor:
         w = self.qweight.float().view(self.out_features, -1, QK) * self.scale.float()[..., None]
@@ -261,21 +267,8 @@ class W5A8Linear(_BlockLinear):
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
     ) -> W5A8Linear:
         """Round to nearest, symmetric per block: scale = absmax / 15 rounded up to fp16, codes 1..31."""
-        act_dtype = act_dtype or weight.dtype
-        weight = weight.detach()
-        n, k = weight.shape
-        codes = torch.empty(n, k, dtype=torch.uint8)
-        scale = torch.empty(n, k // QK, dtype=torch.float16)
-        for r in range(0, n, _ROWS):
-            g = weight[r : r + _ROWS].to(torch.float32, copy=True).view(-1, k // QK, QK)
-            amax = g.abs().amax(dim=-1)
-            s = (amax / 15.0).half()
-            s = _nudge_fp16(s, 15.0 * s.float() >= amax, up=True)
-            s_safe = torch.where(s > 0, s.float(), torch.ones_like(s, dtype=torch.float32))
-            g.div_(s_safe[..., None]).round_().clamp_(-15, 15).add_(16)
-            codes[r : r + _ROWS] = g.view(-1, k).to(torch.uint8)
-            scale[r : r + _ROWS] = s
-        return cls.from_q5(codes, scale, bias, act_dtype)
+        q, scale = _round_symmetric(weight, 15)
+        return cls.from_q5((q + 16).to(torch.uint8), scale, bias, act_dtype or weight.dtype)
 
     def dequantize(self) -> torch.Tensor:
         q = self.codes().float().view(self.out_features, -1, QK) - 16.0
