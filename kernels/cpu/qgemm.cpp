@@ -67,8 +67,8 @@ inline float dot_f32(const float* a, const float* b, int n) {
     return s;
 }
 
-// Quantised activations as the kernels read them: xq [M, nbp * 32] (q4: paired order), dx and sx
-// [M, nbp] (q4: lane order), nbp = blocks rounded up to a whole group, zero padded.
+// Quantised activations as the kernels read them: xq [M, nbp * 32] (q4/q5: paired order), dx and sx
+// [M, nbp] (q4/q5: hadd lane order), nbp = blocks rounded up to a whole group, zero padded.
 struct QActs {
     int8_t* xq;
     float* dx;
@@ -76,7 +76,10 @@ struct QActs {
     int nbp;
 };
 
-constexpr int PAIRED_LANE_OF_BLOCK[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // block j of a group -> its hadd lane
+// The paired kernels' hadd tree leaves block PAIRED_BLOCK_OF_LANE[l] of a group in lane l; the
+// activations are packed by the inverse map.
+constexpr int PAIRED_BLOCK_OF_LANE[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+constexpr int PAIRED_LANE_OF_BLOCK[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
 QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K, bool paired) {
     const int nb = K / QK, nbp = (nb + 7) / 8 * 8;
@@ -109,7 +112,7 @@ void free_acts(QActs& a) {
     free(a.sx);
 }
 
-// 8 fp16 scales from `src` (only `cnt` exist; the rest read as 0) as fp32, in q4 lane order if PERM.
+// 8 fp16 scales from `src` (only `cnt` exist; the rest read as 0) as fp32, in the paired lane order if PERM.
 template <bool PERM>
 inline __m256 load_scales(const uint16_t* src, int cnt) {
     __m128i h;
@@ -121,7 +124,8 @@ inline __m256 load_scales(const uint16_t* src, int cnt) {
         h = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
     }
     const __m256 f = _mm256_cvtph_ps(h);
-    return PERM ? _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)) : f;
+    return PERM ? _mm256_permutevar8x32_ps(f, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(PAIRED_BLOCK_OF_LANE)))
+                : f;
 }
 
 // One q4 or q5 weight row (codes w, fp16 scales sc, q4: fp16 offsets oc) against R activation

@@ -14,7 +14,7 @@ W5A8Linear (kept exactly: w = d * (q - 16)); everything else -> W8A8Linear.
 * "int4" from floating-point weights (Hugging Face directories): Int4Linear round-to-nearest
   (groups of 32), lm_head int8.
 
-The Q4_K and Q5_0 codes are cached beside the dequantised weights (`<key>-q4k.safetensors`): the
+The Q4_K and Q5_0 codes are cached beside the dequantised weights (`<key>-codes.safetensors`): the
 packed layout the kernel reads depends on the CPU, so the cache holds plain codes and packing
 happens at load time.
 """
@@ -43,14 +43,14 @@ from ssd.workers.models.quant import QUANT_MODES, Int4Linear, q4k_to_affine, q5_
 
 log = logging.getLogger("ssd.quant")
 
-Q4K_CACHE_FORMAT = 2  # 2: Q5_0 codes too
+CODES_CACHE_FORMAT = 2  # 2: Q5_0 codes too
 
 
 def _linear_names(model: DecoderModel) -> set[str]:
     return {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def _extract_q4k(
+def _extract_codes(
     path: Path, cfg: ModelConfig, linear_names: set[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The file's Q4_K linear weights as {name.codes [N, K/2] nibbles, name.scale, name.offset} and its
@@ -90,7 +90,7 @@ def _extract_q4k(
     return tensors, types
 
 
-def load_q4k(
+def load_gguf_codes(
     path: str | Path, cfg: ModelConfig, linear_names: set[str], cache_dir: str | Path | None
 ) -> tuple[
     dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]],
@@ -102,18 +102,18 @@ def load_q4k(
     cdir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cdir.mkdir(parents=True, exist_ok=True)
     key = cache_key(path)
-    data_file, meta_file = cdir / f"{key}-q4k.safetensors", cdir / f"{key}-q4k.json"
+    data_file, meta_file = cdir / f"{key}-codes.safetensors", cdir / f"{key}-codes.json"
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
-    if meta is not None and meta.get("format") == Q4K_CACHE_FORMAT and data_file.is_file():
+    if meta is not None and meta.get("format") == CODES_CACHE_FORMAT and data_file.is_file():
         tensors: dict[str, torch.Tensor] = {}
         with safe_open(str(data_file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
         types = meta["types"]
     else:
-        tensors, types = _extract_q4k(path, cfg, linear_names)
+        tensors, types = _extract_codes(path, cfg, linear_names)
         _atomic_write(data_file, lambda p: save_file(tensors, str(p)))
-        meta = {"format": Q4K_CACHE_FORMAT, "types": types}
+        meta = {"format": CODES_CACHE_FORMAT, "types": types}
         _atomic_write(meta_file, lambda p: p.write_text(json.dumps(meta)))
     out, q5 = {}, {}
     for mod in {k.rsplit(".", 1)[0] for k in tensors}:
@@ -138,7 +138,7 @@ def quantize_loaded(
     if mode not in ("int4", "w4a8") or path.suffix != ".gguf" or model.embed_tokens.weight.device.type != "cpu":
         return quantize_model(model, mode)
     names = _linear_names(model)
-    q4k, q5_0, types = load_q4k(path, model.config, names, cache_dir)
+    q4k, q5_0, types = load_gguf_codes(path, model.config, names, cache_dir)
     affine: dict[str, Any] = {n: v for n, v in q4k.items() if n != "lm_head"}
     # Q5_0 stays 5-bit exactly (W5A8Linear) in the block mode; the weight-only int4 mode has no such kernel.
     q5 = {n: v for n, v in q5_0.items() if n != "lm_head"} if mode == "w4a8" else {}
