@@ -217,7 +217,7 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     lead = probs.shape[:-1]
     pr = probs.reshape(-1, V)  # [N, V]
     cdf = torch.cumsum(pr.double(), dim=-1)  # [N, V]
-    target = u.reshape(-1).double() * cdf[:, -1]  # [N]
+    target = u.reshape(-1).to(pr.device, torch.float64) * cdf[:, -1]  # [N]
     positive = pr > 0  # [N, V]
     hit = (cdf > target[:, None]) & positive  # [N, V]
     first = torch.argmax(hit.to(torch.int8), dim=-1)  # [N] first True (0 if none)

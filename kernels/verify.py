@@ -165,6 +165,8 @@ def verify_rejection(
     dev = p_target.device
     if q_draft is not None and (q_draft.shape[0] != B or q_draft.shape[1] != K or q_draft.shape[2] != V):
         raise ValueError(f"q_draft must be [B, K, V] = [{B}, {K}, {V}], got {tuple(q_draft.shape)}")
+    q_draft = None if q_draft is None else q_draft.to(dev)
+    u_accept, u_sample = u_accept.to(dev), u_sample.to(dev)  # drawn on the host from per-request generators
     if p_target.is_cuda and B > 0 and _cuda.available():
         num_acc, tokens = _cuda.verify_rejection_cuda(draft, nd, p_target, q_draft, u_accept, u_sample)
         return VerifyResult(num_acc, tokens)

@@ -95,6 +95,8 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-kernel", choices=("auto", "dense", "torch"),
                    help="unquantised CPU linears: the dense C kernel (bf16/fp32 weights, batch invariant; the "
                         "default where it builds) or torch's F.linear")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
+                   help="on CUDA, run every forward eagerly instead of replaying captured graphs")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--log-json", action="store_true", help="log one JSON object per line")
 
@@ -216,6 +218,8 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["draft_quantization"] = None if args.draft_quantization == "none" else args.draft_quantization
     if args.linear_kernel:
         kw["linear_kernel"] = args.linear_kernel
+    if args.cuda_graphs is False:
+        kw["cuda_graphs"] = False
     if args.ray is not None:
         kw["use_ray"] = args.ray
     if args.address:

@@ -224,7 +224,7 @@ def place_workers(
         actor_cls = actor_class(cls).options(**opts)
         kwargs = dict(dtype=cfg.dtype, device=ap.device, max_slots=cfg.max_batch, max_len=cfg.max_len,
                       num_threads=ap.num_threads, cpu_cores=ap.cpu_cores, quantization=cfg.quantization,
-                      linear_kernel=cfg.linear_kernel)
+                      linear_kernel=cfg.linear_kernel, cuda_graphs=cfg.cuda_graphs)
         kwargs.update(extra or {})
         return lambda: actor_cls.remote(model, **kwargs)
 

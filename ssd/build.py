@@ -77,7 +77,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
         from ssd.launch.placement import place_workers
 
         # Worker kwargs beyond dtype/device/slots/len/threads/cores: keep in step with the local path below.
-        common = dict(quantization=cfg.quantization, linear_kernel=cfg.linear_kernel)
+        common = dict(quantization=cfg.quantization, linear_kernel=cfg.linear_kernel, cuda_graphs=cfg.cuda_graphs)
         draft_kwargs = dict(common, max_len=cfg.max_len + draft_headroom(cfg), saguaro_c=cfg.saguaro_c,
                             quantization=cfg.draft_quantization)
         rtarget, rdraft, rinfo, rtok = place_workers(cfg, target_kwargs=common, draft_kwargs=draft_kwargs)
@@ -90,7 +90,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
     target_w = TargetWorker(
         cfg.target, dtype=cfg.dtype, device=cfg.device, max_slots=max_slots, max_len=cfg.max_len,
         num_threads=cfg.target_threads, cpu_cores=cfg.target_cores, quantization=cfg.quantization,
-        linear_kernel=cfg.linear_kernel,
+        linear_kernel=cfg.linear_kernel, cuda_graphs=cfg.cuda_graphs,
     )
     target: WorkerHandle = LocalHandle(target_w, "target")
     handles: list[WorkerHandle] = [target]
@@ -101,6 +101,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
             cfg.draft, dtype=cfg.dtype, device=cfg.draft_device or cfg.device, max_slots=max_slots,
             max_len=cfg.max_len + draft_headroom(cfg), num_threads=cfg.draft_threads, cpu_cores=cfg.draft_cores,
             saguaro_c=cfg.saguaro_c, quantization=cfg.draft_quantization, linear_kernel=cfg.linear_kernel,
+            cuda_graphs=cfg.cuda_graphs,
         )
         dinfo = draft_w.info()
         if dinfo["vocab_size"] != info["vocab_size"]:

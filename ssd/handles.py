@@ -2,7 +2,10 @@
 
 LocalHandle runs the worker in this process on its own thread (torch releases the GIL, so a
 draft and a target on separate threads overlap); launch/actors.py provides RayHandle, the same
-interface over a Ray actor.
+interface over a Ray actor. In-process workers on CUDA take turns instead: a CUDA graph capture
+in one thread fails when another thread issues CUDA work meanwhile (seen on an H200 with torch
+2.11), and the two share the default stream, so only host-side overlap is lost. Ray actors (own
+process, own GPU) keep the overlap.
 
 Both handles accept a future of another call as a top-level argument (the value is used once it
 is ready; over Ray it goes actor to actor without visiting the coordinator), and `call_split`
@@ -12,8 +15,11 @@ straight to the target while the coordinator only fetches the draft tokens.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
+
+_CUDA_TURN = threading.Lock()  # held by an in-process CUDA worker for the whole of each call
 
 
 class WorkerDied(RuntimeError):
@@ -48,14 +54,18 @@ class LocalHandle:
         self.worker = worker
         self.name = name
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._turn = _CUDA_TURN if str(getattr(worker, "device", "cpu")).startswith("cuda") else None
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
-        fn = getattr(self.worker, method)
-        if any(isinstance(a, Future) for a in (*args, *kwargs.values())):
-            return self._pool.submit(
-                lambda: fn(*map(_resolve, args), **{k: _resolve(v) for k, v in kwargs.items()})
-            )
-        return self._pool.submit(fn, *args, **kwargs)
+        return self._pool.submit(self._run, getattr(self.worker, method), args, kwargs)
+
+    def _run(self, fn: Any, args: tuple, kwargs: dict) -> Any:
+        # Arguments that are futures of the other worker resolve first: never wait for one holding the turn.
+        args, kwargs = tuple(map(_resolve, args)), {k: _resolve(v) for k, v in kwargs.items()}
+        if self._turn is None:
+            return fn(*args, **kwargs)
+        with self._turn:
+            return fn(*args, **kwargs)
 
     def call_split(self, method: str, n: int, *args: Any, **kwargs: Any) -> list[Future]:
         parts: list[Future] = [Future() for _ in range(n)]

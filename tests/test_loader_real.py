@@ -109,3 +109,19 @@ def test_large_config_and_vocab(small: LoadedModel) -> None:
     for text in TEXTS:
         assert big.tokenizer.encode(text) == small.tokenizer.encode(text)
     assert Path(resolve_alias("qwen-coder-1.5b")).stat().st_size == 1_117_320_768
+
+
+def test_runner_benchmark_shapes_match_the_real_models(small: LoadedModel) -> None:
+    """benchmarks/runner.py --random-weights builds models from SHAPES: they must be the real ones."""
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from runner import SHAPES, random_model
+
+    for alias in SHAPES:
+        real = small.config if alias == "qwen-coder-0.5b" else load_model(alias, progress=False).config
+        got = random_model(alias, torch.device("meta")).config
+        skip = {"bos_token_id", "eos_token_ids"}  # token ids do not change the shapes or the cost
+        assert {k: v for k, v in dataclasses.asdict(got).items() if k not in skip} == {
+            k: v for k, v in dataclasses.asdict(real).items() if k not in skip}, alias

@@ -177,9 +177,36 @@ def test_fused_projections_match_separate(mode, hidden):
     torch.testing.assert_close(mlp.gate_up_proj(x), torch.cat([pm.gate_proj(x), pm.up_proj(x)], dim=-1), rtol=0, atol=0)
 
 
-def test_cuda_kernel_probe_is_boolean():
+def test_cuda_kernel_probe():
     assert cuda_kernel_available("int8") in (True, False)
     assert cuda_kernel_available("int4") in (True, False)
+    assert not cuda_kernel_available("w4a8") and not cuda_kernel_available("w8a8")  # AVX2 kernels only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_cuda_layers_match_reference(cls):
+    """On CUDA: int4 codes repacked for the tensor-core kernel unchanged (read back through the kernel),
+    and both layers within the format's step of the dequantised fp32 reference."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 512) * 0.05
+    lin = cls.from_float(w, None, torch.bfloat16)
+    x = torch.randn(5, 512, dtype=torch.bfloat16)
+    ref = lin.ref_forward(x).float()
+    gpu = lin.on("cuda") if cls is Int4Linear else lin.to("cuda")
+    if cls is Int4Linear:
+        assert torch.equal(gpu.codes(), lin.codes())
+        with pytest.raises(ValueError, match="packed for cuda"):
+            gpu(x)  # a CPU input on a CUDA-packed layer
+    got = gpu(x.cuda()).float().cpu()
+    assert float((got - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_int4_needs_bf16():
+    model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=1).cuda()  # fp32
+    with pytest.raises(ValueError, match="bfloat16"):
+        quantize_model(model, "int4")
 
 
 def test_config_and_build_model_plumbing():

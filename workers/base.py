@@ -78,13 +78,15 @@ class ModelWorker:
         cpu_cores: list[int] | None = None,
         quantization: str | None = None,
         linear_kernel: str = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
         set_threads(num_threads, cpu_cores)
         self.device = device
         self.linear_kernel = linear_kernel
         self.model, self.tokenizer = self.load_model(model, parse_dtype(dtype), device, quantization)
         self.config = self.model.config
-        self.runner = ModelRunner(self.model, max_slots=max_slots, max_len=max_len, device=device)
+        self.runner = ModelRunner(self.model, max_slots=max_slots, max_len=max_len, device=device,
+                                  cuda_graphs=cuda_graphs)
         self.seqs: dict[int, SeqState] = {}
 
     def load_model(
@@ -101,6 +103,7 @@ class ModelWorker:
             "max_len": self.runner.max_len,
             "arch": cfg.arch,
             "num_threads": torch.get_num_threads(),
+            "cuda_graphs": self.runner.graphs is not None,
             "linear_kernel": getattr(self.model, "linear_kernel", None) or getattr(self.model, "quantization", None)
             or "torch",
         }
@@ -149,6 +152,8 @@ class ModelWorker:
                 toks = [[(7 * i) % self.config.vocab_size for i in range(n_tokens)]]
                 t0 = time.perf_counter()
                 self.runner.forward([slot], toks, parents=[[-1] * n_tokens] if tree else None)
+                if self.runner.device.type == "cuda":
+                    torch.cuda.synchronize(self.runner.device)
                 times.append(time.perf_counter() - t0)
             return sorted(times[1:])[len(times[1:]) // 2]
         finally:

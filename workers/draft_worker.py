@@ -118,22 +118,24 @@ class DraftWorker(ModelWorker):
     # -- sampling ----------------------------------------------------------------------------
     def _sample(
         self, logits: torch.Tensor, states: list[DraftSeq], fanout: list[int] | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per row; returns (tokens [B], q [B, V] the exact sampling distribution).
+    ) -> tuple[list[int], torch.Tensor]:
+        """Sample one token per row; returns (tokens, q [B, V] the exact sampling distribution).
 
         With Saguaro (C < 1) and a fan-out, rows sample from sigma_{F,C}; verification uses this q.
         """
         specs = [s.spec for s in states]
-        temp = torch.tensor([s.temperature for s in specs], dtype=torch.float32)
-        top_k = torch.tensor([s.top_k for s in specs], dtype=torch.long)
-        top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32)
+        dev = logits.device
+        temp = torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([s.top_k for s in specs], dtype=torch.long, device=dev)
+        top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=dev)
         probs = filter_logits(logits, temp, top_k, top_p)  # [B, V]
-        sampled = temp > 0  # greedy rows keep their argmax one-hot
-        if fanout is not None and self.saguaro_c < 1.0 and bool(sampled.any()):
-            sag = saguaro_probs(logits, temp, top_k, top_p, torch.tensor(fanout, dtype=torch.long), self.saguaro_c)
+        if fanout is not None and self.saguaro_c < 1.0 and any(not s.greedy for s in specs):
+            sampled = temp > 0  # greedy rows keep their argmax one-hot
+            fo = torch.tensor(fanout, dtype=torch.long, device=dev)
+            sag = saguaro_probs(logits, temp, top_k, top_p, fo, self.saguaro_c)
             probs = torch.where(sampled[:, None], sag, probs)
-        u = torch.stack([torch.rand(1, generator=s.gen)[0] for s in states])
-        return sample_from_probs(probs, u), probs
+        u = torch.stack([torch.rand(1, generator=s.gen)[0] for s in states])  # host generators, per request
+        return sample_from_probs(probs, u).tolist(), probs
 
     # -- plain SD ----------------------------------------------------------------------------
     def propose(
@@ -167,7 +169,7 @@ class DraftWorker(ModelWorker):
             fo = None if fanout is None else [fanout[b][min(step, len(fanout[b]) - 1)] for b in active]
             new, probs = self._sample(logits, [states[b] for b in active], fo)
             for row, b in enumerate(active):
-                tokens[b].append(int(new[row]))
+                tokens[b].append(new[row])
                 if not states[b].spec.greedy:
                     qs[b].append(probs[row])
             step += 1
@@ -254,7 +256,7 @@ class DraftWorker(ModelWorker):
             i = 0
             for b in active:
                 for j in range(len(branches[b])):
-                    ys[b][j].append(int(new[i]))
+                    ys[b][j].append(new[i])
                     if not states[b].spec.greedy:
                         qs[b][j].append(probs[i])
                     i += 1

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ssd.cache.kv_cache import KVCache
+from ssd.workers.cuda_graphs import CudaGraphs, length_bucket
 from ssd.workers.models.decoder import DecoderModel, KVView
 
 
@@ -47,6 +48,9 @@ class TreeRegion:
         return anc[r0:]
 
 
+GRAPH_LAST_ONLY_MAX = 4  # a draft's catch-up feed (last_only) is graphed up to this many tokens
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -54,7 +58,10 @@ class ModelRunner:
         max_slots: int,
         max_len: int,
         device: str | torch.device = "cpu",
+        cuda_graphs: bool = True,
     ) -> None:
+        """cuda_graphs: replay captured graphs for small forwards on CUDA (workers/cuda_graphs.py); not
+        for batch-invariant models, whose per-token attention plan is built on the host each forward."""
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -63,8 +70,14 @@ class ModelRunner:
         self.max_len = max_len
         # KV heads held here: the attention modules' count (a tensor-parallel rank holds only its share).
         n_kv = model.layers[0].self_attn.n_kv if len(model.layers) else cfg.num_key_value_heads
-        self.kv = KVCache(cfg.num_hidden_layers, max_slots, n_kv, max_len, cfg.head_dim, self.dtype, device)
+        graphs = cuda_graphs and self.device.type == "cuda" and not model.batch_invariant
+        # With graphs, one more slot: padding tokens of ragged rows write their keys there.
+        slots = max_slots + 1 if graphs else max_slots
+        self.kv = KVCache(cfg.num_hidden_layers, slots, n_kv, max_len, cfg.head_dim, self.dtype, device)
         self.regions: dict[int, TreeRegion] = {}
+        self.graphs: CudaGraphs | None = None
+        if graphs:
+            self.graphs = CudaGraphs(model, self.kv, scratch_slot=self.kv.allocate())
 
     # -- slot management -------------------------------------------------------------------
     def allocate(self) -> int:
@@ -143,6 +156,16 @@ class ModelRunner:
 
         pad_ids = [t + [0] * (n - len(t)) for t in tokens]
         pad_pos = [[b0 + d for d in dep] + [b0] * (n - len(dep)) for b0, dep in zip(pos_base, depth)]
+        read_len = max(b0 + nb for b0, nb in zip(base, lens))
+        # Prompt prefill (last_only, longer) stays eager: one graph per prompt length would not pay.
+        if self.graphs is not None and self.graphs.supports(B, n) and (n <= GRAPH_LAST_ONLY_MAX or not last_only):
+            mask = self._mask(base, lens, anc_rows, n, length_bucket(read_len, self.max_len), torch.device("cpu"))
+            logits = self.graphs.run(slots, pad_ids, pad_pos, lens, base, mask)  # [B, n, V]
+            for s, nb in zip(slots, lens):
+                self.kv.lengths[s] += nb
+            if last_only:
+                return logits[torch.arange(B, device=dev), torch.tensor([nb - 1 for nb in lens], device=dev)]
+            return logits
         input_ids = torch.tensor(pad_ids, dtype=torch.long, device=dev)  # [B, n]
         positions = torch.tensor(pad_pos, dtype=torch.long, device=dev)  # [B, n]
 
@@ -153,14 +176,16 @@ class ModelRunner:
         write_slot = slot_t[write_b]
         write_pos = base_t[write_b] + write_i
         write_src = write_b * n + write_i
-        read_len = max(b0 + nb for b0, nb in zip(base, lens))
 
-        mask = self._mask(base, lens, anc_rows, n, read_len)
+        mask = self._mask(base, lens, anc_rows, n, read_len, dev)
         if slots == list(range(slots[0], slots[0] + B)):
             slot_index: torch.Tensor | slice = slice(slots[0], slots[0] + B)
         else:
             slot_index = slot_t
-        kv = KVView(self.kv.k, self.kv.v, slot_index, write_b, write_slot, write_pos, write_src, read_len, mask)
+        kv = KVView(
+            self.kv.k, self.kv.v, slot_index, write_b, write_slot, write_pos, write_src, read_len, mask,
+            rope_len=max(p for row in pad_pos for p in row) + 1,
+        )
         hidden = self.model(input_ids, positions, kv)  # [B, n, D]
         for s, nb in zip(slots, lens):
             self.kv.lengths[s] += nb
@@ -176,9 +201,9 @@ class ModelRunner:
         anc_rows: list[tuple[int, torch.Tensor] | None],
         n: int,
         read_len: int,
+        dev: torch.device,
     ) -> torch.Tensor:
-        """[B, 1, n, read_len] bool: the whole prefix, plus causal (or tree-ancestor) new tokens."""
-        dev = self.device
+        """[B, 1, n, read_len] bool on `dev`: the whole prefix, plus causal (or tree-ancestor) new tokens."""
         cols = torch.arange(read_len, device=dev)[None, None, :]  # [1, 1, L]
         rows = torch.arange(n, device=dev)[None, :, None]  # [1, n, 1]
         base_t = torch.tensor(base, device=dev)[:, None, None]  # [B, 1, 1]

@@ -46,30 +46,31 @@ class TargetWorker(ModelWorker):
         logits = self.runner.forward([st.slot for st in states], blocks)  # [B, K+1, V]
         B, n, V = logits.shape
         K = n - 1
+        dev = logits.device  # small inputs go to the logits' device; results come back in one read
         draft_tokens = torch.full((B, max(K, 1)), -1, dtype=torch.long)  # [B, K] padded with -1
         for b, d in enumerate(drafts):
             draft_tokens[b, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
-        draft_tokens = draft_tokens[:, :K]
-        num_draft = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long)
+        draft_tokens = draft_tokens[:, :K].to(dev)
+        num_draft = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long, device=dev)
 
-        num_acc = torch.zeros(B, dtype=torch.long)
-        tokens = torch.zeros(B, K + 1, dtype=torch.long)
+        num_acc = torch.zeros(B, dtype=torch.long, device=dev)
+        tokens = torch.zeros(B, K + 1, dtype=torch.long, device=dev)
         greedy = [b for b, st in enumerate(states) if st.spec.greedy]
         sampled = [b for b, st in enumerate(states) if not st.spec.greedy]
         if greedy:
-            g = torch.tensor(greedy)
+            g = torch.tensor(greedy, device=dev)
             res = verify_greedy(draft_tokens[g], num_draft[g], logits[g])
             num_acc[g], tokens[g] = res.num_accepted, res.tokens
         if sampled:
-            s = torch.tensor(sampled)
+            s = torch.tensor(sampled, device=dev)
             specs = [states[b].spec for b in sampled]
             p_target = filter_logits(
                 logits[s],
-                torch.tensor([sp.temperature for sp in specs], dtype=torch.float32),
-                torch.tensor([sp.top_k for sp in specs], dtype=torch.long),
-                torch.tensor([sp.top_p for sp in specs], dtype=torch.float32),
+                torch.tensor([sp.temperature for sp in specs], dtype=torch.float32, device=dev),
+                torch.tensor([sp.top_k for sp in specs], dtype=torch.long, device=dev),
+                torch.tensor([sp.top_p for sp in specs], dtype=torch.float32, device=dev),
             )  # [Bs, K+1, V]
-            q = torch.zeros(len(sampled), K, V, dtype=torch.float32)  # [Bs, K, V]
+            q = torch.zeros(len(sampled), K, V, dtype=torch.float32, device=dev)  # [Bs, K, V]
             u_accept = torch.zeros(len(sampled), K, dtype=torch.float32)
             u_sample = torch.zeros(len(sampled), dtype=torch.float32)
             for row, b in enumerate(sampled):
@@ -78,9 +79,9 @@ class TargetWorker(ModelWorker):
                     if d.q_kind == "dist":
                         if q_draft[b] is None or tuple(q_draft[b].shape) != (kb, V):
                             raise ValueError(f"sequence {d.seq_id}: q_draft must be [{kb}, {V}]")
-                        q[row, :kb] = q_draft[b].float()
+                        q[row, :kb] = q_draft[b].to(dev, torch.float32)
                     else:  # point mass: a drafter without probabilities
-                        q[row, torch.arange(kb), torch.tensor(d.tokens)] = 1.0
+                        q[row, torch.arange(kb, device=dev), torch.tensor(d.tokens, device=dev)] = 1.0
                 # Fixed draw pattern per sequence: reproducible whatever else is in the batch.
                 gen = states[b].gen
                 u_accept[row, :kb] = torch.rand(kb, generator=gen)
@@ -89,9 +90,10 @@ class TargetWorker(ModelWorker):
             num_acc[s], tokens[s] = res.num_accepted, res.tokens
 
         outcomes = []
+        num_acc_l, tokens_l = num_acc.tolist(), tokens.tolist()
         for b, (st, d) in enumerate(zip(states, drafts)):
-            k = int(num_acc[b])
-            emitted = tokens[b, : k + 1].tolist()
+            k = num_acc_l[b]
+            emitted = tokens_l[b][: k + 1]
             st.committed += 1 + k  # pending + accepted drafts now committed in the cache
             self.runner.truncate(st.slot, st.committed)
             st.pending = emitted[-1]
@@ -113,8 +115,7 @@ class TargetWorker(ModelWorker):
         for b, (st, d) in enumerate(zip(states, drafts)):
             n = len(d.tokens)
             row = logits[b, : n + 1]  # [N+1, V]
-            tree_tokens = torch.tensor(d.tokens, dtype=torch.long)
-            tree_parents = torch.tensor(d.parents, dtype=torch.long)
+            tree_tokens, tree_parents = list(d.tokens), list(d.parents or [])
             if st.spec.greedy:
                 path, nxt = verify_tree_greedy(tree_tokens, tree_parents, row[0], row[1:])
             else:
@@ -123,7 +124,8 @@ class TargetWorker(ModelWorker):
                     row[None], torch.tensor([sp.temperature]), torch.tensor([sp.top_k]), torch.tensor([sp.top_p])
                 )[0]  # [N+1, V]
                 uniforms = torch.rand(2 * n + 1, generator=st.gen)
-                q = q_draft[b] if d.q_kind == "dist" else None
+                uniforms = uniforms.to(row.device)
+                q = q_draft[b].to(row.device) if d.q_kind == "dist" and q_draft[b] is not None else None
                 path, nxt = verify_tree_rejection(
                     tree_tokens, tree_parents, p_target[0], p_target[1:],
                     None if q is None else q[0], None if q is None else q[1:], uniforms,

@@ -57,6 +57,7 @@ class TPTargetWorker(TargetWorker):
         self._comm_device = torch.device("cpu")
         if dist_init is not None:
             self.init_tp(dist_init, device)
+        kwargs["cuda_graphs"] = False  # the all-reduces between ranks are not captured
         super().__init__(model, **kwargs)
 
     # -- process group -----------------------------------------------------------------------------

@@ -202,6 +202,7 @@ class KVView:
         write_src: torch.Tensor,  # [T] flat index into [B * n] of each valid new token
         read_len: int,  # Lmax: positions attended (max over the batch of len + n)
         mask: torch.Tensor,  # [B, 1, n, Lmax] bool, True = may attend
+        rope_len: int | None = None,  # > every position (known on the host: saves a device sync)
     ) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.slot_index = slot_index
@@ -209,6 +210,7 @@ class KVView:
         self.write_b = write_b
         self.read_len = read_len
         self.mask = mask
+        self.rope_len = rope_len
         self.layer = 0
         # Set by plan_rows (DecoderModel.batch_invariant): per new token (b, i, cache slot, keys),
         # keys = L for cache positions 0..L-1 or a LongTensor of positions; attention then runs
@@ -316,8 +318,11 @@ class DecoderModel(nn.Module):
         self._rope_table = (key, torch.cat(cos_parts), torch.cat(sin_parts))
         return self._rope_table[1], self._rope_table[2]
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_t, sin_t = self.rope_tables(int(positions.max()) + 1, dtype)
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, n, hd] at `positions`; `length` (> every position) saves reading them back."""
+        cos_t, sin_t = self.rope_tables(length or int(positions.max()) + 1, dtype)
         return F.embedding(positions, cos_t)[:, None], F.embedding(positions, sin_t)[:, None]  # [B, 1, n, hd]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVView) -> torch.Tensor:
@@ -328,7 +333,7 @@ class DecoderModel(nn.Module):
             fused = self._fused_layers(kv)
             if fused is not None:
                 return self.norm(self._forward_fused(fused, x, positions, kv))
-        cos, sin = self.rope(positions, x.dtype)
+        cos, sin = self.rope(positions, x.dtype, kv.rope_len)
         for i, layer in enumerate(self.layers):
             kv.layer = i
             x = layer(x, cos, sin, kv)
@@ -354,7 +359,7 @@ class DecoderModel(nn.Module):
         """x [B, n, D] embeddings -> final-layer hidden states [B, n, D] (padding rows stay zero)."""
         B, n, D = x.shape
         src = kv.write_src  # valid tokens, in the order of kv.row_plan
-        cos_t, sin_t = self.rope_tables(int(positions.max()) + 1, x.dtype)
+        cos_t, sin_t = self.rope_tables(kv.rope_len or int(positions.max()) + 1, x.dtype)
         pos = positions.reshape(-1)[src]
         rows = x.reshape(B * n, D)[src]  # [T, D], a copy the C code updates in place
         rows = fused.run(rows, cos_t[pos], sin_t[pos], kv.write_slot, kv.write_pos, kv.row_plan)

@@ -42,13 +42,40 @@ def _int4_block_n() -> int:
     return 64 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """[N, K] integer codes in 0..15 -> the machine-specific packed layout the CPU kernel reads."""
+def pack_int4(codes: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
+    """[N, K] integer codes in 0..15 -> the packed layout `Int4Linear`'s kernel reads on `device`.
+
+    CPU: `torch._convert_weight_to_int4pack_for_cpu` (specific to the CPU capability). CUDA: the
+    tensor-core tiles of `torch._convert_weight_to_int4pack`, from bytes holding two codes each
+    (even column in the high nibble).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        c = codes.to(device=device, dtype=torch.uint8)
+        k = c.shape[1]
+        tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+        return torch._convert_weight_to_int4pack(((c[:, ::2] << 4) | c[:, 1::2]).contiguous(), tiles)
     return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
 
 
+def _unpack_int4_cuda(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Codes [N, K] of a CUDA-packed weight, read back through the kernel itself: with scale 1 and
+    zero 0 every weight is q - 8, an integer bf16 holds exactly, so x = identity rows returns them."""
+    unit = torch.zeros(k // INT4_GROUP, n, 2, dtype=torch.bfloat16, device=packed.device)
+    unit[..., 0] = 1.0
+    cols = []
+    for r0 in range(0, k, 1024):
+        eye = torch.zeros(min(1024, k - r0), k, dtype=torch.bfloat16, device=packed.device)
+        eye[:, r0 : r0 + eye.shape[0]] = torch.eye(eye.shape[0], dtype=torch.bfloat16, device=packed.device)
+        cols.append(torch._weight_int4pack_mm(eye, packed, INT4_GROUP, unit))  # [chunk, N] = (q - 8).T
+    return (torch.cat(cols).T.float() + 8.0).to(torch.uint8).cpu()
+
+
 def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Inverse of `pack_int4` (uint8 [N, K] codes), following aten/native/cpu/int4mm_kernel.cpp."""
+    """Inverse of `pack_int4` (uint8 [N, K] codes on the CPU); the CPU layout follows
+    aten/native/cpu/int4mm_kernel.cpp."""
+    if packed.device.type == "cuda":
+        return _unpack_int4_cuda(packed, n, k)
     bn = _int4_block_n()
     cap = torch.backends.cpu.get_cpu_capability()
     flat = packed.reshape(-1)
@@ -151,9 +178,10 @@ class Int8Linear(_QuantLinear):
 class Int4Linear(_QuantLinear):
     """Groupwise affine int4: w[n, k] = (q - 8) * scale[g, n] + zero[g, n], g = k // group_size.
 
-    Buffers: `qweight` (packed codes, layout of `torch._convert_weight_to_int4pack_for_cpu`, so
-    specific to this machine's CPU capability) and `scales_and_zeros` [K / group, N, 2] in the
-    activation dtype (the kernel requires it to match).
+    Buffers: `qweight` (packed codes in the layout of the device's kernel, see `pack_int4`: on the
+    CPU specific to this machine's capability, so `.to()` cannot move it; `on(device)` repacks) and
+    `scales_and_zeros` [K / group, N, 2] in the activation dtype (the kernel requires it to match).
+    On CUDA the kernel is `torch._weight_int4pack_mm` (bf16 activations, sm80+).
     """
 
     def __init__(
@@ -214,6 +242,15 @@ class Int4Linear(_QuantLinear):
             sz[:, r : r + _ROWS, 1] = zero.T
         return cls(pack_int4(codes), sz, None if bias is None else bias.detach(), k, group_size)
 
+    def on(self, device: str | torch.device) -> Int4Linear:
+        """This layer on `device`, its codes repacked for that device's kernel."""
+        device = torch.device(device)
+        if device.type == self.qweight.device.type:
+            return self.to(device)
+        codes = self.codes()
+        return Int4Linear(pack_int4(codes, device), self.scales_and_zeros.to(device),
+                          None if self.bias is None else self.bias.to(device), self.in_features, self.group_size)
+
     def codes(self) -> torch.Tensor:
         return unpack_int4(self.qweight, self.out_features, self.in_features)
 
@@ -229,7 +266,12 @@ class Int4Linear(_QuantLinear):
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        if x2.device != self.qweight.device:
+            raise ValueError(f"Int4Linear packed for {self.qweight.device} got input on {x2.device}; use .on(device)")
+        if x2.device.type == "cuda":
+            y = torch._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)
@@ -290,7 +332,9 @@ def _rel_err(w: torch.Tensor, mod: _QuantLinear) -> float:
 
 def cuda_kernel_available(mode: str) -> bool:
     """Whether this torch build has a CUDA kernel for the layer `mode` uses (with this API)."""
-    op = {"int8": "aten::_weight_int8pack_mm", "int4": "aten::_weight_int4pack_mm_for_cpu"}[mode]
+    op = {"int8": "aten::_weight_int8pack_mm", "int4": "aten::_weight_int4pack_mm"}.get(mode)
+    if op is None:  # w4a8 / w8a8: AVX2 kernels only
+        return False
     try:
         return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"))
     except RuntimeError:
@@ -360,6 +404,8 @@ def quantize_model(
             return overrides[name]
         return head if name.rpartition(".")[2] == "lm_head" else mode
 
+    if device.type != "cpu" and mode in BLOCK_MODES:
+        raise ValueError(f"quantization={mode!r} runs on CPU only (AVX2 kernel); use int8/int4 on {device}")
     if device.type == "cuda":
         missing = sorted({m for m in map(layer_mode, (n for n, _ in linears)) if m} - {
             m for m in QUANT_MODES if cuda_kernel_available(m)})
@@ -369,10 +415,10 @@ def quantize_model(
                 "keeping the %s weights", mode, torch.__version__, "/".join(missing), dtype,
             )
             return model
+        if "int4" in map(layer_mode, (n for n, _ in linears)) and dtype != torch.bfloat16:
+            raise ValueError(f"int4 on CUDA runs torch._weight_int4pack_mm, which takes bfloat16, not {dtype}")
     elif device.type != "cpu":
         raise ValueError(f"quantization runs on cpu (or cuda where kernels exist), not on {device}")
-    if device.type != "cpu" and mode in BLOCK_MODES:
-        raise ValueError(f"quantization={mode!r} runs on CPU only (AVX2 kernel); use int8/int4 on {device}")
 
     debug = log.isEnabledFor(logging.DEBUG)
     all_quantised = True
@@ -406,7 +452,7 @@ def quantize_model(
         if debug:
             log.debug("%s %s -> %s, relative error %.3e", name, tuple(weight.shape), type(q).__name__,
                       _rel_err(weight, q))
-        q = q.to(device)
+        q = q.on(device) if isinstance(q, Int4Linear) else q.to(device)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
     if fuse:
@@ -415,8 +461,8 @@ def quantize_model(
         for m in model.modules():
             if hasattr(m, "use_cpu_kernel"):
                 m.use_cpu_kernel = True  # RMSNorm: the C kernel too
-    if hasattr(model, "batch_invariant"):
-        model.batch_invariant = all_quantised
+    if hasattr(model, "batch_invariant"):  # the CPU kernels are row-independent; CUDA's are not known to be
+        model.batch_invariant = all_quantised and device.type == "cpu"
     model.quantization = mode
     return model
 

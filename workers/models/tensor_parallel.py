@@ -84,7 +84,7 @@ def select_outputs(layer: nn.Module, idx: torch.Tensor) -> nn.Module:
             )
         codes = layer.codes()[idx]
         sz = layer.scales_and_zeros[:, idx.to(layer.scales_and_zeros.device)].clone()
-        return Int4Linear(pack_int4(codes).to(layer.qweight.device), sz, b, layer.in_features, layer.group_size)
+        return Int4Linear(pack_int4(codes, layer.qweight.device), sz, b, layer.in_features, layer.group_size)
     raise TypeError(f"tensor parallelism: cannot shard a {type(layer).__name__}")
 
 
@@ -104,7 +104,7 @@ def select_inputs(layer: nn.Module, start: int, stop: int) -> tuple[nn.Module, t
             )
         codes = layer.codes()[:, start:stop]
         sz = layer.scales_and_zeros[start // g : stop // g].clone()
-        return Int4Linear(pack_int4(codes).to(layer.qweight.device), sz, None, stop - start, g), b
+        return Int4Linear(pack_int4(codes, layer.qweight.device), sz, None, stop - start, g), b
     raise TypeError(f"tensor parallelism: cannot shard a {type(layer).__name__}")
 
 
