@@ -159,16 +159,18 @@ def test_reference_mode_switches_layers():
     assert torch.equal(lin(x), torch._weight_int8pack_mm(x, lin.qweight, lin.scales))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("hidden", [64, 80])  # 80: int4 k/v blocks not whole packing blocks -> repacked
-def test_fused_projections_match_separate(mode, hidden):
+def test_fused_projections_match_separate(mode, hidden, device):
     torch.manual_seed(0)
     kw = dict(vocab=64, hidden=hidden, heads=hidden // 16, kv_heads=1, seed=5)
-    fused = quantize_model(random_model(**kw).to(torch.bfloat16), mode)
-    plain = quantize_model(random_model(**kw).to(torch.bfloat16), mode, fuse=False)
+    fused = quantize_model(random_model(**kw).to(device, torch.bfloat16), mode)
+    plain = quantize_model(random_model(**kw).to(device, torch.bfloat16), mode, fuse=False)
     attn, mlp = fused.layers[1].self_attn, fused.layers[1].mlp
     assert attn.qkv_proj is not None and attn.q_proj is None and mlp.gate_up_proj is not None
-    x = torch.randn(5, hidden).to(torch.bfloat16)
+    x = torch.randn(5, hidden).to(device, torch.bfloat16)
     pa, pm = plain.layers[1].self_attn, plain.layers[1].mlp
     want = torch.cat([pa.q_proj(x), pa.k_proj(x), pa.v_proj(x)], dim=-1)
     torch.testing.assert_close(attn.qkv_proj.dequantize(), torch.cat([pa.q_proj.dequantize(), pa.k_proj.dequantize(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ssd.cache.kv_cache import KVCache
@@ -159,13 +160,15 @@ class ModelRunner:
         read_len = max(b0 + nb for b0, nb in zip(base, lens))
         # Prompt prefill (last_only, longer) stays eager: one graph per prompt length would not pay.
         if self.graphs is not None and self.graphs.supports(B, n) and (n <= GRAPH_LAST_ONLY_MAX or not last_only):
-            mask = self._mask(base, lens, anc_rows, n, length_bucket(read_len, self.max_len), torch.device("cpu"))
-            logits = self.graphs.run(slots, pad_ids, pad_pos, lens, base, mask)  # [B, n, V]
+            mask = self._mask(base, lens, anc_rows, n, length_bucket(read_len, self.max_len))
+            logits = self.graphs.run(slots, pad_ids, pad_pos, lens, base, mask)  # [B, n, V], shared buffer
             for s, nb in zip(slots, lens):
                 self.kv.lengths[s] += nb
-            if last_only:
-                return logits[torch.arange(B, device=dev), torch.tensor([nb - 1 for nb in lens], device=dev)]
-            return logits
+            if not last_only:
+                return logits.clone()
+            if min(lens) == n:
+                return logits[:, n - 1].clone()  # [B, V]
+            return logits[torch.arange(B, device=dev), torch.tensor([nb - 1 for nb in lens], device=dev)]  # a gather
         input_ids = torch.tensor(pad_ids, dtype=torch.long, device=dev)  # [B, n]
         positions = torch.tensor(pad_pos, dtype=torch.long, device=dev)  # [B, n]
 
@@ -177,7 +180,7 @@ class ModelRunner:
         write_pos = base_t[write_b] + write_i
         write_src = write_b * n + write_i
 
-        mask = self._mask(base, lens, anc_rows, n, read_len, dev)
+        mask = torch.from_numpy(self._mask(base, lens, anc_rows, n, read_len)).to(dev)
         if slots == list(range(slots[0], slots[0] + B)):
             slot_index: torch.Tensor | slice = slice(slots[0], slots[0] + B)
         else:
@@ -194,26 +197,24 @@ class ModelRunner:
             return self.model.logits(hidden[torch.arange(B, device=dev), last])  # [B, V]
         return self.model.logits(hidden)  # [B, n, V]
 
+    @staticmethod
     def _mask(
-        self,
-        base: list[int],
-        lens: list[int],
-        anc_rows: list[tuple[int, torch.Tensor] | None],
-        n: int,
-        read_len: int,
-        dev: torch.device,
-    ) -> torch.Tensor:
-        """[B, 1, n, read_len] bool on `dev`: the whole prefix, plus causal (or tree-ancestor) new tokens."""
-        cols = torch.arange(read_len, device=dev)[None, None, :]  # [1, 1, L]
-        rows = torch.arange(n, device=dev)[None, :, None]  # [1, n, 1]
-        base_t = torch.tensor(base, device=dev)[:, None, None]  # [B, 1, 1]
-        lens_t = torch.tensor(lens, device=dev)[:, None, None]
-        causal = cols <= base_t + rows  # prefix + new tokens up to and including this one
-        mask = causal & (rows < lens_t)  # [B, n, L]
+        base: list[int], lens: list[int], anc_rows: list[tuple[int, torch.Tensor] | None], n: int, read_len: int,
+    ) -> np.ndarray:
+        """[B, 1, n, read_len] bool, on the host: the whole prefix, plus causal (or tree-ancestor) new tokens.
+
+        numpy, not torch: a dozen tiny torch ops cost ~0.1 ms of host time per forward, which a graphed
+        GPU step of a few ms notices.
+        """
+        cols = np.arange(read_len)[None, None, :]  # [1, 1, L]
+        rows = np.arange(n)[None, :, None]  # [1, n, 1]
+        base_a = np.asarray(base)[:, None, None]  # [B, 1, 1]
+        lens_a = np.asarray(lens)[:, None, None]
+        mask = (cols <= base_a + rows) & (rows < lens_a)  # [B, n, L]: prefix + new tokens up to this one
         for b, ar in enumerate(anc_rows):
             if ar is not None:
                 start, anc = ar  # [n_b, R], R = region nodes including the new ones
-                mask[b, : lens[b], start : start + anc.shape[1]] = anc.to(dev)
+                mask[b, : lens[b], start : start + anc.shape[1]] = anc.numpy()
         # Padding rows attend position 0 only, so softmax never sees an all-masked row.
-        mask[:, :, 0] |= rows[..., 0] >= lens_t[..., 0]
+        mask[:, :, 0] |= rows[..., 0] >= lens_a[..., 0]
         return mask[:, None]

@@ -255,7 +255,7 @@ class Int4Linear(_QuantLinear):
         return unpack_int4(self.qweight, self.out_features, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
-        q = self.codes().float().view(self.out_features, -1, self.group_size)
+        q = self.codes().to(self.scales_and_zeros.device).float().view(self.out_features, -1, self.group_size)
         scale = self.scales_and_zeros[..., 0].float().T[..., None]  # [N, K/g, 1]
         zero = self.scales_and_zeros[..., 1].float().T[..., None]
         return ((q - 8.0) * scale + zero).view(self.out_features, self.in_features)
@@ -492,11 +492,11 @@ def _concat(mods: list[_QuantLinear]) -> _QuantLinear | None:
     if isinstance(first, Int8Linear):
         return Int8Linear(torch.cat([m.qweight for m in mods]), torch.cat([m.scales for m in mods]), bias)
     assert isinstance(first, Int4Linear)
-    bn = _int4_block_n()
+    bn = _int4_block_n()  # >= 8 columns, CUDA's tile: whole blocks on either device
     if all(m.out_features % bn == 0 for m in mods):  # packed rows are whole column blocks: concatenate
         packed = torch.cat([m.qweight for m in mods])
     else:
-        packed = pack_int4(torch.cat([m.codes() for m in mods]))
+        packed = pack_int4(torch.cat([m.codes() for m in mods]), first.qweight.device)
     sz = torch.cat([m.scales_and_zeros for m in mods], dim=1)
     return Int4Linear(packed, sz, bias, first.in_features, first.group_size)
 
