@@ -118,12 +118,15 @@ class DraftWorker(ModelWorker):
     # -- sampling ----------------------------------------------------------------------------
     def _sample(
         self, logits: torch.Tensor, states: list[DraftSeq], fanout: list[int] | None
-    ) -> tuple[list[int], torch.Tensor]:
+    ) -> tuple[list[int], torch.Tensor | None]:
         """Sample one token per row; returns (tokens, q [B, V] the exact sampling distribution).
 
         With Saguaro (C < 1) and a fan-out, rows sample from sigma_{F,C}; verification uses this q.
+        An all-greedy batch takes the argmax (what sampling the greedy one-hot gives) and no q.
         """
         specs = [s.spec for s in states]
+        if all(s.greedy for s in specs):
+            return logits.float().argmax(-1).tolist(), None
         dev = logits.device
         temp = torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=dev)
         top_k = torch.tensor([s.top_k for s in specs], dtype=torch.long, device=dev)

@@ -58,11 +58,11 @@ class TargetWorker(ModelWorker):
         greedy = [b for b, st in enumerate(states) if st.spec.greedy]
         sampled = [b for b, st in enumerate(states) if not st.spec.greedy]
         if greedy:
-            g = torch.tensor(greedy, device=dev)
+            g = torch.tensor(greedy, device=dev) if sampled else slice(None)  # all rows: no copies
             res = verify_greedy(draft_tokens[g], num_draft[g], logits[g])
             num_acc[g], tokens[g] = res.num_accepted, res.tokens
         if sampled:
-            s = torch.tensor(sampled, device=dev)
+            s = torch.tensor(sampled, device=dev) if greedy else slice(None)
             specs = [states[b].spec for b in sampled]
             p_target = filter_logits(
                 logits[s],
