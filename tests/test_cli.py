@@ -238,3 +238,5 @@ def test_gpu_layout(monkeypatch):
         kw("--target", "llama-70b", "--draft", "llama-1b", "--gpus", "0,5")
     with pytest.raises(CLIError, match="--target-tp 2 does not match"):
         kw("--target", "llama-70b", "--draft", "llama-1b", "--gpus", "0,1,2,3", "--target-tp", "2")
+    assert "cuda_graphs" not in kw("--target", "llama-70b", "--gpus", "0")  # graphs on: the Config default
+    assert kw("--target", "llama-70b", "--gpus", "0", "--no-cuda-graphs")["cuda_graphs"] is False
