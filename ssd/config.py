@@ -26,7 +26,7 @@ class Config:
     # so a cheaper draft (e.g. w4a8 under a bf16 target) only changes the speed.
     draft_quantization: str | None = "same"
     linear_kernel: str = "auto"  # unquantised CPU linears: "dense" (C kernel, batch invariant), "torch", "auto"
-    cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode / verification shapes
+    cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode, verification and tree steps
     k: int | None = None  # draft length; None = chosen from measured latencies
     fanout: int | list[int] | None = None  # SSD budget B (int) or explicit F_0..F_K
     fanout_kind: str = "geometric"  # or "uniform"
