@@ -406,16 +406,16 @@ def quantize_model(
 
     if device.type != "cpu" and mode in BLOCK_MODES:
         raise ValueError(f"quantization={mode!r} runs on CPU only (AVX2 kernel); use int8/int4 on {device}")
+    used = {layer_mode(name) for name, _ in linears} - {None}
     if device.type == "cuda":
-        missing = sorted({m for m in map(layer_mode, (n for n, _ in linears)) if m} - {
-            m for m in QUANT_MODES if cuda_kernel_available(m)})
+        missing = sorted(used - {m for m in QUANT_MODES if cuda_kernel_available(m)})
         if missing:
             log.warning(
                 "quantization=%r: this torch (%s) has no CUDA kernel for weight-only %s matmul; "
                 "keeping the %s weights", mode, torch.__version__, "/".join(missing), dtype,
             )
             return model
-        if "int4" in map(layer_mode, (n for n, _ in linears)) and dtype != torch.bfloat16:
+        if "int4" in used and dtype != torch.bfloat16:
             raise ValueError(f"int4 on CUDA runs torch._weight_int4pack_mm, which takes bfloat16, not {dtype}")
     elif device.type != "cpu":
         raise ValueError(f"quantization runs on cpu (or cuda where kernels exist), not on {device}")
