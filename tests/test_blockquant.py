@@ -135,12 +135,27 @@ def test_q5_0_codes_kept_exactly(k):
 
 
 def test_q5_pack_layout():
-    codes = (torch.arange(96) % 32).to(torch.uint8).view(1, 96)  # 3 blocks: a pair and a half-empty pair
+    # 9 blocks: a whole group of 8, then a group holding one block (zero-padded)
+    codes = torch.randint(0, 32, (2, 9 * 32), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
     packed = W5A8Linear.pack(codes)
-    assert packed.shape == (1, 128)
-    assert torch.equal(packed[0, :16], codes[0, :16]) and torch.equal(packed[0, 16:32], codes[0, 32:48])
-    assert torch.equal(packed[0, 32:48], codes[0, 16:32]) and torch.equal(packed[0, 48:64], codes[0, 48:64])
-    assert torch.equal(packed[0, 64:80], codes[0, 64:80]) and (packed[0, 80:96] == 0).all()
+    assert packed.shape == (2, 2 * 160)
+    group = packed[0, :160]
+    # the low 4 bits: W4A8's nibble layout
+    assert torch.equal(group[:128], W4A8Linear.pack(codes[:1, :256] & 0x0F)[0])
+    # fifth bits: vector 2p = first halves of blocks 2p, 2p + 1; vector 2p + 1 = their second halves
+    blocks = codes[0, :256].view(8, 32)
+    for v in range(8):
+        p, half = divmod(v, 2)
+        vec = torch.cat([blocks[2 * p, 16 * half : 16 * half + 16], blocks[2 * p + 1, 16 * half : 16 * half + 16]])
+        assert torch.equal((group[128:] >> v) & 1, vec >> 4)
+    tail = packed[0, 160:]
+    assert torch.equal(tail[:16], (codes[0, 256:272] & 0x0F) | ((codes[0, 272:288] & 0x0F) << 4))
+    assert (tail[16:128] == 0).all()
+    assert torch.equal(tail[128:144] & 1, codes[0, 256:272] >> 4)
+    assert torch.equal((tail[128:144] >> 1) & 1, codes[0, 272:288] >> 4)
+    assert (tail[128:] & 0xFC == 0).all() and (tail[144:] == 0).all()
+    lin = W5A8Linear(packed, torch.ones(2, 9), None, 9 * 32)
+    assert torch.equal(lin.codes(), codes)
     with pytest.raises(ValueError, match="0..31"):
         W5A8Linear.from_q5(torch.full((1, 32), 32, dtype=torch.uint8), torch.ones(1, 1), None)
 

@@ -167,8 +167,8 @@ def linear(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor | None = No
 
     * "q4": W = scale * q + offset, qweight [N, K/2] packed codes 0..15, offset fp16 [N, K/32];
     * "q8": W = scale * q, qweight int8 [N, K];
-    * "q5": W = scale * (q - 16), qweight uint8 [N, 64 * ceil(K/64)] codes 0..31 in pairs of blocks
-      (see ssd.workers.models.blockquant.W5A8Linear.pack).
+    * "q5": W = scale * (q - 16), qweight uint8 [N, 160 * ceil(K/256)]: codes 0..31 at 5 bits in
+      groups of 8 blocks (see ssd.workers.models.blockquant.W5A8Linear.pack).
 
     x must be a contiguous fp32/bf16 CPU tensor with K a multiple of 32 (the layers check once, at
     build time).

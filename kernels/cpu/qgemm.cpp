@@ -3,22 +3,25 @@
 // Weights come in blocks of 32 along K with fp16 scales (formats numbered as SsdLinear.kind):
 //   q4 (1): w = s * q + o,    q in 0..15 (16 bytes per block: byte j = q[j] | q[j + 16] << 4)
 //   q8 (2): w = s * q,        q in -127..127 (32 bytes per block)
-//   q5 (3): w = s * (q - 16), q in 0..31 (GGUF Q5_0), one code per byte in the paired order below
+//   q5 (3): w = s * (q - 16), q in 0..31 (GGUF Q5_0): q4's nibbles plus a plane of fifth bits (below)
 // Activations are quantised per row and block of 32 to int8 (xq, scale dx; Q8_0 style), so each
 // block's dot product is an exact integer sum (maddubs + madd):
 //   q4: y += s * dx * sum(q * xq) + o * (dx * sum(xq))        q8: y += s * dx * sum(q * xq)
 //   q5: as q4 with o = -16 s
-// Per group of 8 blocks the 8 integer sums are gathered into one vector by a hadd tree (exact), then
-// one cvt + fma with the 8 block scales s * dx (q4: and one fma with o * sx, in its own accumulator).
+// Per group of 8 blocks the 8 integer sums are gathered into one vector by unpacks and adds
+// (exact), then one cvt + fma with the 8 block scales s * dx (q4: and one fma with o * sx, in its own accumulator).
 //
 // q4 reads two weight blocks per 32-byte load: the low nibbles of blocks (2p, 2p+1) are their first
-// 16 codes each, the high nibbles their last 16. q5 stores each pair of blocks the same way, one
-// code per byte: 64 bytes [A[0:16], B[0:16], A[16:32], B[16:32]] (an odd last block padded with
-// zeros). The activations are stored in that order (`pack_acts`), so one maddubs pair, an add and
+// 16 codes each, the high nibbles their last 16. q5 rows come in groups of 8 blocks, 160 bytes each:
+// the low 4 bits of the codes as q4 stores them (128 bytes), then 32 bytes whose bit v of byte j is
+// bit 4 of byte j of the group's unpacked vector v (v = 2p: pair p's first halves, 2p + 1: its
+// second halves); rows are zero-padded to whole groups. Unpacking costs a shift, an and and an or
+// per vector, shared by all activation rows, and a row streams 5.5 bits per weight instead of 8.
+// The activations are stored in the unpacked order (`pack_acts`), so one maddubs pair, an add and
 // a madd give both blocks' partial sums (codes < 64 keep the int16 sums exact) and a group needs
-// 3 hadds; its lanes then hold blocks 0, 2, 4, 6, 1, 3, 5, 7, and dx, sx and the weight scales are
-// put in that order too. Activation rows are padded with zeros to whole groups, so a short last
-// group needs no special case: its missing blocks add exact zeros.
+// one lane-sum transpose; its lanes then hold blocks 0, 2, 4, 6, 1, 3, 5, 7, and dx, sx and the
+// weight scales are put in that order too. Activation rows are padded with zeros to whole groups,
+// so a short last group needs no special case: its missing blocks add exact zeros.
 //
 // Row independence: every output element y[m, n] is computed by the same sequence of floating-point
 // operations whatever M is and whichever rows share a chunk (the chunk only decides how many rows
@@ -43,11 +46,12 @@ namespace {
 constexpr int QK = 32;
 constexpr int MC = 8;  // activation rows sharing one pass over a weight row
 constexpr int FMT_Q4 = 1, FMT_Q8 = 2, FMT_Q5 = 3;
+constexpr int Q5_GROUP_BYTES = 160;  // 8 blocks: 128 bytes of nibbles + 32 of fifth bits
 
 // Bytes of one weight row of K inputs.
 inline size_t row_bytes_of(int fmt, int K) {
     const int nb = K / QK;
-    return fmt == FMT_Q4 ? K / 2 : fmt == FMT_Q8 ? K : static_cast<size_t>((nb + 1) / 2) * 64;
+    return fmt == FMT_Q4 ? K / 2 : fmt == FMT_Q8 ? K : static_cast<size_t>((nb + 7) / 8) * Q5_GROUP_BYTES;
 }
 
 inline float hsum(__m256 v) {
@@ -55,6 +59,15 @@ inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+// Integer lane sums by unpack-and-add transposes (phaddd costs ~4x an unpack here); integer adds are
+// exact, so the grouping cannot change a result. Lane l of the result is sum4(d[l % 4], half l / 4):
+// the sum of the four lanes of d[l % 4]'s 128-bit half l / 4.
+inline __m256i sum4_halves(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
+    const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(d0, d1), _mm256_unpackhi_epi32(d0, d1));
+    const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(d2, d3), _mm256_unpackhi_epi32(d2, d3));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
 }
 
 // sum_i a[i] * b[i]: 8 lanes, then the tail; a fixed order for a given n.
@@ -68,7 +81,7 @@ inline float dot_f32(const float* a, const float* b, int n) {
 }
 
 // Quantised activations as the kernels read them: xq [M, nbp * 32] (q4/q5: paired order), dx and sx
-// [M, nbp] (q4/q5: hadd lane order), nbp = blocks rounded up to a whole group, zero padded.
+// [M, nbp] (q4/q5: lane-sum order), nbp = blocks rounded up to a whole group, zero padded.
 struct QActs {
     int8_t* xq;
     float* dx;
@@ -76,7 +89,7 @@ struct QActs {
     int nbp;
 };
 
-// The paired kernels' hadd tree leaves block PAIRED_BLOCK_OF_LANE[l] of a group in lane l; the
+// The paired kernels' lane sums leave block PAIRED_BLOCK_OF_LANE[l] of a group in lane l; the
 // activations are packed by the inverse map.
 constexpr int PAIRED_BLOCK_OF_LANE[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 constexpr int PAIRED_LANE_OF_BLOCK[8] = {0, 4, 1, 5, 2, 6, 3, 7};
@@ -131,39 +144,24 @@ inline __m256 load_scales(const uint16_t* src, int cnt) {
 // One q4 or q5 weight row (codes w, fp16 scales sc, q4: fp16 offsets oc) against R activation
 // rows from `a` (starting at row m0). R is a template argument so small R keeps its accumulators in
 // registers. `pf`: a later weight row to prefetch at the pace this one is read (nullptr: none).
+// Whole groups of 8 blocks take a branch-free body; a short last group takes the general one. Both
+// do the same arithmetic on a block (absent blocks add exact zeros), so the split changes no bits.
 template <int FMT, int R>
 inline void row_dot_paired(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
                            float* out, const uint8_t* pf) {
-    constexpr int group_bytes = FMT == FMT_Q4 ? 128 : 256;  // weight bytes per group of 8 blocks
+    constexpr int group_bytes = FMT == FMT_Q4 ? 128 : Q5_GROUP_BYTES;  // weight bytes per group of 8 blocks
     __m256 acc[R], acco[R];
     for (int i = 0; i < R; ++i) acc[i] = acco[i] = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int g = 0; g < nb; g += 8) {
-        const int cnt = nb - g < 8 ? nb - g : 8, pairs = (cnt + 1) / 2;
-        if (pf != nullptr)
-            for (int q = 0; q < group_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g / 8 * group_bytes + q, _MM_HINT_T0);
-        __m256i lo[4], hi[4];
-        for (int p = 0; p < 4; ++p) {
-            const int b = g + 2 * p;
-            if (FMT == FMT_Q5) {  // padded rows: every present pair has its full 64 bytes
-                lo[p] = p < pairs ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32)) : _mm256_setzero_si256();
-                hi[p] = p < pairs ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32 + 32)) : _mm256_setzero_si256();
-                continue;
-            }
-            __m256i v = _mm256_setzero_si256();
-            if (b + 1 < nb)
-                v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
-            else if (b < nb)
-                v = _mm256_inserti128_si256(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16)), 0);
-            lo[p] = _mm256_and_si256(v, mask);
-            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        }
-        const __m256 s8 = load_scales<true>(sc + g, cnt);
-        const __m256 o8 = FMT == FMT_Q4 ? load_scales<true>(oc + g, cnt) : _mm256_mul_ps(s8, _mm256_set1_ps(-16.0f));
+    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(PAIRED_BLOCK_OF_LANE));
+    // One group's 4 block pairs (lo: first 16 codes of each block, hi: last 16) against the R rows.
+    auto group = [&](int g, const __m256i* lo, const __m256i* hi, int pairs, __m256 s8, __m256 o8) {
+#pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
             const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
             const int8_t* x = a.xq + at * QK;
             __m256i d[4];
+#pragma GCC unroll 4
             for (int p = 0; p < 4; ++p) {
                 if (p >= pairs) {  // a short last group: absent pairs add zeros
                     d[p] = _mm256_setzero_si256();
@@ -174,10 +172,62 @@ inline void row_dot_paired(const uint8_t* w, const uint16_t* sc, const uint16_t*
                 d[p] = _mm256_madd_epi16(
                     _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xlo), _mm256_maddubs_epi16(hi[p], xhi)), ones);
             }
-            const __m256i dots = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+            const __m256i dots = sum4_halves(d[0], d[1], d[2], d[3]);
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
             acco[i] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a.sx + at), acco[i]);
         }
+    };
+    auto scales = [&](const uint16_t* src) {
+        return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), lanes);
+    };
+    // A whole group's codes: the nibbles (4 x 32 bytes), for q5 or'ed with their fifth bits.
+    auto unpack = [&](const uint8_t* wg, __m256i* lo, __m256i* hi) {
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        __m256i fifth = _mm256_setzero_si256();
+        if (FMT == FMT_Q5) fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 128));
+        // Bit v of each byte of `fifth` moved to bit 4 (16-bit shifts: no bit crosses into bit 4 of the other byte).
+        auto high = [&](int v) {
+            return _mm256_and_si256(v <= 4 ? _mm256_slli_epi16(fifth, 4 - v) : _mm256_srli_epi16(fifth, v - 4), bit4);
+        };
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
+            lo[p] = _mm256_and_si256(v, mask);
+            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            if (FMT == FMT_Q5) {
+                lo[p] = _mm256_or_si256(lo[p], high(2 * p));
+                hi[p] = _mm256_or_si256(hi[p], high(2 * p + 1));
+            }
+        }
+    };
+    const int full = nb / 8 * 8;
+    for (int g = 0; g < full; g += 8) {
+        if (pf != nullptr)
+            for (int q = 0; q < group_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g / 8 * group_bytes + q, _MM_HINT_T0);
+        __m256i lo[4], hi[4];
+        unpack(w + g / 8 * group_bytes, lo, hi);
+        const __m256 s8 = scales(sc + g);
+        group(g, lo, hi, 4, s8, FMT == FMT_Q4 ? scales(oc + g) : _mm256_mul_ps(s8, _mm256_set1_ps(-16.0f)));
+    }
+    if (full < nb) {
+        const int g = full, cnt = nb - g, pairs = (cnt + 1) / 2;
+        if (pf != nullptr)
+            for (int q = 0; q < group_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g / 8 * group_bytes + q, _MM_HINT_T0);
+        __m256i lo[4], hi[4];
+        if (FMT == FMT_Q5) unpack(w + g / 8 * group_bytes, lo, hi);  // rows padded to whole groups with zeros
+        for (int p = 0; p < 4 && FMT == FMT_Q4; ++p) {
+            const int b = g + 2 * p;
+            __m256i v = _mm256_setzero_si256();
+            if (b + 1 < nb)
+                v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
+            else if (b < nb)
+                v = _mm256_inserti128_si256(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16)), 0);
+            lo[p] = _mm256_and_si256(v, mask);
+            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
+        const __m256 s8 = load_scales<true>(sc + g, cnt);
+        group(g, lo, hi, pairs, s8,
+              FMT == FMT_Q4 ? load_scales<true>(oc + g, cnt) : _mm256_mul_ps(s8, _mm256_set1_ps(-16.0f)));
     }
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]) + hsum(acco[i]);
 }
@@ -189,33 +239,28 @@ inline __m256i q8_block_dot(const __m256i& wabs, const __m256i& wq, const int8_t
     return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
 }
 
-// One q8 weight row against R activation rows (as row_dot_paired; natural block order).
+// One q8 weight row against R activation rows (as row_dot_paired; natural block order). Whole groups
+// take a branch-free body; a short last group the general one, with the same arithmetic per block.
 template <int R>
 inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0, int nb, float* out,
                        const uint8_t* pf) {
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int g = 0; g < nb; g += 8) {
-        const int cnt = nb - g < 8 ? nb - g : 8;
-        if (pf != nullptr)
-            for (int p = 0; p < 256; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 32 + p, _MM_HINT_T0);
-        __m256i wq[8], wabs[8];
-        for (int j = 0; j < 8; ++j) {
-            wq[j] = j < cnt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g + j) * 32)) : _mm256_setzero_si256();
-            wabs[j] = _mm256_abs_epi8(wq[j]);
-        }
-        const __m256 s8 = load_scales<false>(sc + g, cnt);
+    // wg: the group's 8 weight blocks; cnt of them present.
+    auto group = [&](const __m256i* wg, int g, int cnt, __m256 s8) {
+        auto block = [&](int j, const int8_t* x) {
+            const __m256i wq = _mm256_loadu_si256(wg + j);
+            return q8_block_dot(_mm256_abs_epi8(wq), wq, x + 32 * j);
+        };
+#pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
             const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
             const int8_t* x = a.xq + at * QK;
-            __m256i d[8];
-            for (int j = 0; j < 4; ++j) d[j] = q8_block_dot(wabs[j], wq[j], x + 32 * j);
             // Lanes of q0: low halves of blocks 0..3, then their high halves; q1: blocks 4..7.
-            const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+            const __m256i q0 = sum4_halves(block(0, x), block(1, x), block(2, x), block(3, x));
             __m256i dots;
             if (cnt > 4) {
-                for (int j = 4; j < 8; ++j) d[j] = q8_block_dot(wabs[j], wq[j], x + 32 * j);
-                const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+                const __m256i q1 = sum4_halves(block(4, x), block(5, x), block(6, x), block(7, x));
                 dots = _mm256_add_epi32(_mm256_blend_epi32(q0, q1, 0xF0), _mm256_permute2x128_si256(q0, q1, 0x21));
             } else {  // blocks 4..7 absent: the same lanes, 4..7 zero (as their zero blocks would give)
                 dots = _mm256_inserti128_si256(
@@ -224,6 +269,19 @@ inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int
             }
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
         }
+    };
+    const int full = nb / 8 * 8;
+    for (int g = 0; g < full; g += 8) {
+        if (pf != nullptr)
+            for (int p = 0; p < 256; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 32 + p, _MM_HINT_T0);
+        group(reinterpret_cast<const __m256i*>(w + static_cast<size_t>(g) * 32), g, 8,
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g))));
+    }
+    if (full < nb) {  // read from a zero-padded copy: absent blocks add exact zeros
+        alignas(32) uint8_t tail[8 * 32] = {};
+        const int cnt = nb - full;
+        memcpy(tail, w + static_cast<size_t>(full) * 32, static_cast<size_t>(cnt) * 32);
+        group(reinterpret_cast<const __m256i*>(tail), full, cnt, load_scales<false>(sc + full, cnt));
     }
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }

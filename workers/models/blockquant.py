@@ -214,7 +214,9 @@ class W8A8Linear(_BlockLinear):
 
 
 class W5A8Linear(_BlockLinear):
-    """q5 codes (0..31, w = scale * (q - 16)) one per byte in pairs of blocks, fp16 scale [N, K/32]."""
+    """q5 codes (0..31, w = scale * (q - 16)) at 5 bits in groups of 8 blocks (see `pack`), fp16 scale [N, K/32]."""
+
+    GROUP_BYTES = 160  # 8 blocks of 32 codes: 128 bytes of low nibbles + 32 bytes of fifth bits
 
     def __init__(
         self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, in_features: int,
@@ -228,28 +230,39 @@ class W5A8Linear(_BlockLinear):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale_bits", _fp16(scale).view(torch.int16))
 
-    @staticmethod
-    def row_bytes(k: int) -> int:
-        return (k // QK + 1) // 2 * 2 * QK
+    @classmethod
+    def row_bytes(cls, k: int) -> int:
+        return -(-(k // QK) // 8) * cls.GROUP_BYTES
 
     @classmethod
     def pack(cls, codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, K] -> [N, row_bytes(K)]: per pair of blocks (A, B), A[0:16] B[0:16] A[16:32] B[16:32].
+        """codes [N, K] -> [N, row_bytes(K)], per group of 8 blocks (zero-padded to whole groups):
 
-        The kernel reads the first 32 bytes as the codes that meet the activations' first halves
-        (one multiply-add for two blocks), the next 32 with their second halves. An odd last block
-        is paired with zeros.
+        * 128 bytes: the low 4 bits as W4A8Linear.pack stores codes. Unpacked, pair p of blocks
+          (A, B) gives the vectors v = 2p: A[0:16] B[0:16] and v = 2p + 1: A[16:32] B[16:32];
+        * 32 bytes: bit v of byte j = bit 4 of byte j of vector v.
         """
         n, k = codes.shape
         nb = k // QK
-        c = torch.zeros(n, (nb + 1) // 2 * 2, QK, dtype=torch.uint8)
+        groups = -(-nb // 8)
+        c = torch.zeros(n, groups * 8, QK, dtype=torch.uint8)
         c[:, :nb] = codes.to(torch.uint8).view(n, nb, QK)
-        c = c.view(n, -1, 2, 2, QK // 2)  # [N, pairs, block in pair, half, 16]
-        return c.transpose(2, 3).reshape(n, -1).contiguous()
+        # [N, groups, pair, block in pair, half, 16] -> vectors [N, groups, pair, half, 32]
+        vec = c.view(n, groups, 4, 2, 2, QK // 2).transpose(3, 4).reshape(n, groups, 4, 2, QK)
+        nibbles = (vec[:, :, :, 0] & 0x0F) | ((vec[:, :, :, 1] & 0x0F) << 4)  # [N, groups, 4, 32]
+        fifth = (vec.reshape(n, groups, 8, QK) >> 4).to(torch.int32)  # [N, groups, vector, 32]
+        plane = (fifth << torch.arange(8, dtype=torch.int32)[:, None]).sum(dim=2).to(torch.uint8)  # [N, groups, 32]
+        return torch.cat([nibbles.reshape(n, groups, 4 * QK), plane], dim=2).reshape(n, -1).contiguous()
 
     def codes(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        c = self.qweight.view(n, -1, 2, 2, QK // 2).transpose(2, 3).reshape(n, -1, QK)
+        g = self.qweight.view(n, -1, self.GROUP_BYTES)
+        groups = g.shape[1]
+        nibbles = g[:, :, : 4 * QK].reshape(n, groups, 4, QK)
+        vec = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(n, groups, 8, QK)  # [N, groups, vector, 32]
+        plane = g[:, :, 4 * QK :].to(torch.int32)[:, :, None]  # [N, groups, 1, 32]
+        vec = vec | (((plane >> torch.arange(8, dtype=torch.int32)[:, None]) & 1) << 4).to(torch.uint8)
+        c = vec.view(n, groups, 4, 2, 2, QK // 2).transpose(3, 4).reshape(n, groups * 8, QK)
         return c[:, : k // QK].reshape(n, k)
 
     @classmethod
