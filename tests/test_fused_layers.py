@@ -127,6 +127,24 @@ def test_a_swapped_module_is_noticed():
     assert all(torch.equal(x, y) for x, y in zip(ref, got))
 
 
+def test_replaced_tensors_are_noticed():
+    """A parameter whose data moved (same Parameter object) and a re-registered buffer both rebuild the descriptors."""
+    model = tiny("w4a8")
+    script(model, use_fused=True)
+    first = model._fused
+    norm = model.layers[0].input_layernorm
+    norm.weight.data = norm.weight.data.clone() * 2  # same Parameter, new storage
+    got = script(model, use_fused=True)
+    assert model._fused is not None and model._fused is not first
+    assert all(torch.equal(x, y) for x, y in zip(script(model, use_fused=False), got))
+    second = model._fused
+    gate_up = model.layers[1].mlp.gate_up_proj
+    gate_up.qweight = gate_up.qweight.flip(0).contiguous()  # a new buffer object
+    got = script(model, use_fused=True)
+    assert model._fused is not None and model._fused is not second
+    assert all(torch.equal(x, y) for x, y in zip(script(model, use_fused=False), got))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_silu_mul_matches_torch(dtype):
     gu = (torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
