@@ -100,8 +100,7 @@ class Engine:
         with self.lock:
             for seq in self.scheduler.admit():
                 try:
-                    self.target.call("add", seq.seq_id, seq.prompt_ids, spec_of(seq)).result()
-                    self.mode.add(seq)
+                    self._admit(seq)
                 except Exception as e:  # fail this request only; the other newcomers go on
                     log.exception("admitting request %d failed", seq.seq_id)
                     self.scheduler.remove(seq)
@@ -121,6 +120,14 @@ class Engine:
             for seq in self.scheduler.retire():
                 self._release(seq)
             return emitted
+
+    def _admit(self, seq: Sequence) -> None:
+        """Prefill on the target and (through the mode) on the draft at once: each on its own device."""
+        added = self.target.call("add", seq.seq_id, seq.prompt_ids, spec_of(seq))
+        try:
+            self.mode.add(seq)
+        finally:
+            added.result()  # the target's error, if any, wins: it fails the request either way
 
     def _release(self, seq: Sequence) -> None:
         self.target.call("remove", seq.seq_id)

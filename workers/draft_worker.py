@@ -69,12 +69,22 @@ class DraftWorker(ModelWorker):
 
     # -- sequences ---------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec) -> None:
+        """Prefill all but the last prompt token now: fed lazily, the prompt would land in the first
+        round, on the critical path; the engine runs this beside the target's own prefill."""
         if seq_id in self.dseqs:
             raise ValueError(f"sequence {seq_id} already added")
+        if not prompt_ids:
+            raise ValueError("empty prompt")
         slot = self.runner.allocate()
+        try:
+            if len(prompt_ids) > 1:
+                self.runner.forward([slot], [prompt_ids[:-1]], last_only=True)
+        except Exception:
+            self.runner.free(slot)
+            raise
         self.dseqs[seq_id] = DraftSeq(
             seq_id=seq_id, slot=slot, spec=spec, gen=make_generator(spec.seed, self.salt),
-            last=prompt_ids[-1], todo=list(prompt_ids),
+            last=prompt_ids[-1], base=len(prompt_ids) - 1, todo=[prompt_ids[-1]],
         )
 
     def remove(self, seq_id: int) -> None:
