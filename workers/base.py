@@ -115,6 +115,14 @@ class ModelWorker:
         """Prefill all but the last prompt token; the last one is the first pending token."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already added")
+        slot = self.prefilled_slot(prompt_ids)
+        self.seqs[seq_id] = SeqState(
+            slot=slot, pending=prompt_ids[-1], committed=len(prompt_ids) - 1, spec=spec,
+            gen=make_generator(spec.seed, self.salt),
+        )
+
+    def prefilled_slot(self, prompt_ids: list[int]) -> int:
+        """A new cache slot holding all but the last prompt token (freed again if the prefill fails)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         slot = self.runner.allocate()
@@ -124,10 +132,7 @@ class ModelWorker:
         except Exception:
             self.runner.free(slot)
             raise
-        self.seqs[seq_id] = SeqState(
-            slot=slot, pending=prompt_ids[-1], committed=len(prompt_ids) - 1, spec=spec,
-            gen=make_generator(spec.seed, self.salt),
-        )
+        return slot
 
     def remove(self, seq_id: int) -> None:
         st = self.seqs.pop(seq_id, None)

@@ -73,15 +73,7 @@ class DraftWorker(ModelWorker):
         round, on the critical path; the engine runs this beside the target's own prefill."""
         if seq_id in self.dseqs:
             raise ValueError(f"sequence {seq_id} already added")
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        slot = self.runner.allocate()
-        try:
-            if len(prompt_ids) > 1:
-                self.runner.forward([slot], [prompt_ids[:-1]], last_only=True)
-        except Exception:
-            self.runner.free(slot)
-            raise
+        slot = self.prefilled_slot(prompt_ids)
         self.dseqs[seq_id] = DraftSeq(
             seq_id=seq_id, slot=slot, spec=spec, gen=make_generator(spec.seed, self.salt),
             last=prompt_ids[-1], base=len(prompt_ids) - 1, todo=[prompt_ids[-1]],
