@@ -145,7 +145,7 @@ def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch:
 
 def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool) -> AutoConfig:
     ns = sorted({k + 1 for k in K_CHOICES})
-    t_verify = {n: target.call("time_forward", n).result() for n in ns}
+    t_verify = {n: target.call("time_forward", n).result() for n in [1, *ns]}  # n = 1: the policy's AR price
     t_chain = {n: draft.call("time_forward", n).result() for n in ns}
     sizes = sorted({b for k in K_CHOICES for b in budgets(k)})
     t_branch = {n: draft.call("time_forward", n, 128, True).result() for n in sizes} if ssd else {1: t_chain[ns[0]]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ssd.autoconfig import K_CHOICES, KTuner, SSDTuner, autoconfigure
+from ssd.autoconfig import K_CHOICES, AutoConfig, KTuner, SSDTuner, autoconfigure, spec_time
 from ssd.config import Config
 from ssd.engine import Engine
 from ssd.fanout import FanoutPlanner
@@ -43,6 +43,7 @@ def draft_headroom(cfg: Config) -> int:
 def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, vocab_size: int) -> Mode:
     tuner: KTuner | None = None
     ssd_tuner: SSDTuner | None = None
+    ac: AutoConfig | None = None
     if cfg.k is None and draft is not None and cfg.mode in ("sd", "ssd", "auto"):
         ac = autoconfigure(target, draft, ssd=cfg.mode != "sd")
         cfg.k = ac.k
@@ -60,11 +61,15 @@ def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, voc
     assert draft is not None
     if cfg.mode == "sd":
         return SDMode(target, draft, k=k, tuner=tuner)
-    return SSDMode(
+    mode = SSDMode(
         target, draft, k, make_fanout_planner(cfg, k), backup=cfg.backup,
         allowed=policy_options(cfg.mode, cfg.backup), vocab_size=vocab_size, ngram_max=cfg.ngram_max,
         tuner=ssd_tuner,
     )
+    if ac is not None:  # the policy starts from this machine's latencies
+        spec = spec_time(ac.t_chain, ac.t_draft, ac.k, ac.budget) if ac.budget in ac.t_draft else None
+        mode.cost.seed(ac.t_verify, draft_step=ac.t_draft.get(1), speculate=spec)
+    return mode
 
 
 def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:

@@ -37,6 +37,25 @@ class CostModel:
     fast_acceptance: Ema = field(default_factory=lambda: Ema(0.2))  # per-token, fast backup / n-gram drafts
     p_hit: Ema = field(default_factory=lambda: Ema(0.5))  # per-sequence hit rate
 
+    def seed(self, t_verify: dict[int, float], draft_step: float | None = None, speculate: float | None = None) -> None:
+        """Start from latencies measured at start-up instead of the generic defaults (each counts as one
+        observation, so rounds refine it). t_verify: seconds per forward of n tokens, n = 1 included.
+
+        The line goes through the one-token time, so AR is priced exactly, with the least-squares slope
+        of all points: a CPU's verification cost grows ~30-60 ms per token, against the 2 ms default,
+        which made n-gram rounds of K+1 mostly rejected tokens look nearly as cheap as AR."""
+        ns = sorted(t_verify)
+        if 1 not in t_verify or len(ns) < 2:
+            raise ValueError(f"seed needs the one-token time and at least one more point, got n = {ns}")
+        mean_n = sum(ns) / len(ns)
+        mean_t = sum(t_verify[n] for n in ns) / len(ns)
+        slope = sum((n - mean_n) * (t_verify[n] - mean_t) for n in ns) / sum((n - mean_n) ** 2 for n in ns)
+        slope = max(0.0, slope)
+        for ema, value in ((self.v1, slope), (self.v0, t_verify[1] - slope), (self.draft_step, draft_step),
+                           (self.speculate, speculate)):
+            if value is not None:
+                ema.value, ema.n = value, 1
+
     def verify_time(self, n_tokens: int) -> float:
         return max(self.v0.value + self.v1.value * n_tokens, 1e-6)
 

@@ -235,3 +235,35 @@ def test_sd_with_auto_k_tunes_and_stays_exact(models, ar_outputs):
         assert llm.stats()["k"] == tuner.choose()
     with LLM(target=models[0], draft=models[1], mode="sd", k=3, dtype="float32", max_len=160) as llm:
         assert llm.engine.mode.tuner is None  # a K the user fixed stays fixed
+
+
+def test_seeding_from_measured_latencies():
+    c = CostModel()
+    c.seed({1: 0.1, 3: 0.2, 5: 0.3}, draft_step=0.04, speculate=0.25)
+    assert c.verify_time(1) == pytest.approx(0.1) and c.verify_time(5) == pytest.approx(0.3)
+    assert (c.draft_step.value, c.speculate.value) == (0.04, 0.25)
+    c.observe_verify(1, 0.12)  # a seed counts as one observation: rounds refine it, not replace it
+    assert 0.1 < c.verify_time(1) < 0.12
+    with pytest.raises(ValueError, match="one-token time"):
+        CostModel().seed({3: 0.2, 5: 0.3})
+
+
+def test_seeded_verification_cost_keeps_rejected_ngram_rounds_off():
+    """Prose: n-gram drafts accepted 15 % of the time. With the generic 2 ms/token slope a 4-token n-gram
+    round looks cheaper per token than AR; with a CPU's measured slope it is not."""
+    allowed = ("ar", "ngram")
+    generic = costs(v0=0.05, v1=0.002, draft_step=0.02, speculate=0.08, a=0.7, p_hit=0.5, a_fast=0.15)
+    assert choose(generic, batch=1, k=3, allowed=allowed)[0] == "ngram"
+    generic.seed({1: 0.1, 4: 0.25, 6: 0.35})
+    assert choose(generic, batch=1, k=3, allowed=allowed)[0] == "ar"
+
+
+def test_auto_starts_from_the_measured_latencies():
+    from tiny_models import random_model
+
+    from ssd import LLM
+
+    with LLM(target=random_model(vocab=40, layers=2, seed=3), draft=random_model(vocab=40, layers=1, seed=4),
+             mode="auto", dtype="float32", max_batch=1, max_len=128) as llm:
+        cost = llm.engine.mode.cost
+        assert min(cost.v0.n, cost.v1.n, cost.draft_step.n, cost.speculate.n) == 1  # seeded, no round run yet
