@@ -67,8 +67,8 @@ def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, voc
         tuner=ssd_tuner,
     )
     if ac is not None:  # the policy starts from this machine's latencies
-        spec = spec_time(ac.t_chain, ac.t_draft, ac.k, ac.budget) if ac.budget in ac.t_draft else None
-        mode.cost.seed(ac.t_verify, draft_step=ac.t_draft.get(1), speculate=spec)
+        spec = spec_time(ac.t_chain, ac.t_draft, ac.k, ac.budget)
+        mode.cost.seed(ac.t_verify, draft_step=ac.t_draft[1], speculate=spec)
     return mode
 
 

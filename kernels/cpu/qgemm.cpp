@@ -144,48 +144,26 @@ inline __m256 load_scales(const uint16_t* src, int cnt) {
 // One q4 or q5 weight row (codes w, fp16 scales sc, q4: fp16 offsets oc) against R activation
 // rows from `a` (starting at row m0). R is a template argument so small R keeps its accumulators in
 // registers. `pf`: a later weight row to prefetch at the pace this one is read (nullptr: none).
-// Whole groups of 8 blocks take a branch-free body; a short last group takes the general one. Both
-// do the same arithmetic on a block (absent blocks add exact zeros), so the split changes no bits.
+// Every group takes the same straight-line body (whole groups with the block count a constant): a
+// short last group reads zero codes for its absent blocks (q5 rows are padded; q4 reads a
+// zero-padded copy), which meet zero activations and add exact zeros.
 template <int FMT, int R>
 inline void row_dot_paired(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
                            float* out, const uint8_t* pf) {
     constexpr int group_bytes = FMT == FMT_Q4 ? 128 : Q5_GROUP_BYTES;  // weight bytes per group of 8 blocks
     __m256 acc[R], acco[R];
     for (int i = 0; i < R; ++i) acc[i] = acco[i] = _mm256_setzero_ps();
-    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(PAIRED_BLOCK_OF_LANE));
-    // One group's 4 block pairs (lo: first 16 codes of each block, hi: last 16) against the R rows.
-    auto group = [&](int g, const __m256i* lo, const __m256i* hi, int pairs, __m256 s8, __m256 o8) {
-#pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-            const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
-            const int8_t* x = a.xq + at * QK;
-            __m256i d[4];
-#pragma GCC unroll 4
-            for (int p = 0; p < 4; ++p) {
-                if (p >= pairs) {  // a short last group: absent pairs add zeros
-                    d[p] = _mm256_setzero_si256();
-                    continue;
-                }
-                const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p));
-                const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p + 32));
-                d[p] = _mm256_madd_epi16(
-                    _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xlo), _mm256_maddubs_epi16(hi[p], xhi)), ones);
-            }
-            const __m256i dots = sum4_halves(d[0], d[1], d[2], d[3]);
-            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
-            acco[i] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a.sx + at), acco[i]);
-        }
-    };
-    auto scales = [&](const uint16_t* src) {
-        return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), lanes);
-    };
-    // A whole group's codes: the nibbles (4 x 32 bytes), for q5 or'ed with their fifth bits.
-    auto unpack = [&](const uint8_t* wg, __m256i* lo, __m256i* hi) {
-        const __m256i bit4 = _mm256_set1_epi8(0x10);
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
+    // One group: weights wg, cnt of its 8 blocks present (whole groups pass a constant 8).
+    auto group = [&](const uint8_t* wg, int g, int cnt) {
+        if (pf != nullptr)
+            for (int q = 0; q < group_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g / 8 * group_bytes + q, _MM_HINT_T0);
+        // The group's codes: lo = the first 16 codes of each block of a pair, hi = the last 16; the
+        // nibbles, for q5 or'ed with their fifth bits (bit v of each plane byte moved to bit 4 by a
+        // 16-bit shift: no bit crosses into bit 4 of the other byte).
+        __m256i lo[4], hi[4];
         __m256i fifth = _mm256_setzero_si256();
         if (FMT == FMT_Q5) fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 128));
-        // Bit v of each byte of `fifth` moved to bit 4 (16-bit shifts: no bit crosses into bit 4 of the other byte).
         auto high = [&](int v) {
             return _mm256_and_si256(v <= 4 ? _mm256_slli_epi16(fifth, 4 - v) : _mm256_srli_epi16(fifth, v - 4), bit4);
         };
@@ -199,35 +177,32 @@ inline void row_dot_paired(const uint8_t* w, const uint16_t* sc, const uint16_t*
                 hi[p] = _mm256_or_si256(hi[p], high(2 * p + 1));
             }
         }
+        const __m256 s8 = load_scales<true>(sc + g, cnt);
+        const __m256 o8 = FMT == FMT_Q4 ? load_scales<true>(oc + g, cnt) : _mm256_mul_ps(s8, _mm256_set1_ps(-16.0f));
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+            const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
+            const int8_t* x = a.xq + at * QK;
+            __m256i d[4];
+#pragma GCC unroll 4
+            for (int p = 0; p < 4; ++p) {
+                const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p));
+                const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p + 32));
+                d[p] = _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xlo), _mm256_maddubs_epi16(hi[p], xhi)), ones);
+            }
+            const __m256i dots = sum4_halves(d[0], d[1], d[2], d[3]);
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
+            acco[i] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a.sx + at), acco[i]);
+        }
     };
     const int full = nb / 8 * 8;
-    for (int g = 0; g < full; g += 8) {
-        if (pf != nullptr)
-            for (int q = 0; q < group_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g / 8 * group_bytes + q, _MM_HINT_T0);
-        __m256i lo[4], hi[4];
-        unpack(w + g / 8 * group_bytes, lo, hi);
-        const __m256 s8 = scales(sc + g);
-        group(g, lo, hi, 4, s8, FMT == FMT_Q4 ? scales(oc + g) : _mm256_mul_ps(s8, _mm256_set1_ps(-16.0f)));
-    }
-    if (full < nb) {
-        const int g = full, cnt = nb - g, pairs = (cnt + 1) / 2;
-        if (pf != nullptr)
-            for (int q = 0; q < group_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g / 8 * group_bytes + q, _MM_HINT_T0);
-        __m256i lo[4], hi[4];
-        if (FMT == FMT_Q5) unpack(w + g / 8 * group_bytes, lo, hi);  // rows padded to whole groups with zeros
-        for (int p = 0; p < 4 && FMT == FMT_Q4; ++p) {
-            const int b = g + 2 * p;
-            __m256i v = _mm256_setzero_si256();
-            if (b + 1 < nb)
-                v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
-            else if (b < nb)
-                v = _mm256_inserti128_si256(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16)), 0);
-            lo[p] = _mm256_and_si256(v, mask);
-            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        }
-        const __m256 s8 = load_scales<true>(sc + g, cnt);
-        group(g, lo, hi, pairs, s8,
-              FMT == FMT_Q4 ? load_scales<true>(oc + g, cnt) : _mm256_mul_ps(s8, _mm256_set1_ps(-16.0f)));
+    for (int g = 0; g < full; g += 8) group(w + g / 8 * group_bytes, g, 8);
+    if (full < nb) {  // q5 rows are zero-padded to whole groups; q4 reads a zero-padded copy
+        alignas(32) uint8_t tail[128] = {};
+        const uint8_t* wg = w + full / 8 * group_bytes;
+        if (FMT == FMT_Q4) wg = static_cast<const uint8_t*>(memcpy(tail, wg, static_cast<size_t>(nb - full) * 16));
+        group(wg, full, nb - full);
     }
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]) + hsum(acco[i]);
 }
@@ -239,49 +214,40 @@ inline __m256i q8_block_dot(const __m256i& wabs, const __m256i& wq, const int8_t
     return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
 }
 
-// One q8 weight row against R activation rows (as row_dot_paired; natural block order). Whole groups
-// take a branch-free body; a short last group the general one, with the same arithmetic per block.
+// One q8 weight row against R activation rows (as row_dot_paired; natural block order). A short last
+// group reads a zero-padded copy: absent blocks add exact zeros.
 template <int R>
 inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0, int nb, float* out,
                        const uint8_t* pf) {
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    // wg: the group's 8 weight blocks; cnt of them present.
-    auto group = [&](const __m256i* wg, int g, int cnt, __m256 s8) {
+    // One group: weights wg, cnt of its 8 blocks present (whole groups pass a constant 8).
+    auto group = [&](const uint8_t* wg, int g, int cnt) {
+        if (pf != nullptr)
+            for (int p = 0; p < 256; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 32 + p, _MM_HINT_T0);
         auto block = [&](int j, const int8_t* x) {
-            const __m256i wq = _mm256_loadu_si256(wg + j);
+            const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg) + j);
             return q8_block_dot(_mm256_abs_epi8(wq), wq, x + 32 * j);
         };
+        const __m256 s8 = load_scales<false>(sc + g, cnt);
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
             const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
             const int8_t* x = a.xq + at * QK;
             // Lanes of q0: low halves of blocks 0..3, then their high halves; q1: blocks 4..7.
             const __m256i q0 = sum4_halves(block(0, x), block(1, x), block(2, x), block(3, x));
-            __m256i dots;
-            if (cnt > 4) {
-                const __m256i q1 = sum4_halves(block(4, x), block(5, x), block(6, x), block(7, x));
-                dots = _mm256_add_epi32(_mm256_blend_epi32(q0, q1, 0xF0), _mm256_permute2x128_si256(q0, q1, 0x21));
-            } else {  // blocks 4..7 absent: the same lanes, 4..7 zero (as their zero blocks would give)
-                dots = _mm256_inserti128_si256(
-                    _mm256_setzero_si256(),
-                    _mm_add_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)), 0);
-            }
+            const __m256i q1 = sum4_halves(block(4, x), block(5, x), block(6, x), block(7, x));
+            const __m256i dots =
+                _mm256_add_epi32(_mm256_blend_epi32(q0, q1, 0xF0), _mm256_permute2x128_si256(q0, q1, 0x21));
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
         }
     };
     const int full = nb / 8 * 8;
-    for (int g = 0; g < full; g += 8) {
-        if (pf != nullptr)
-            for (int p = 0; p < 256; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 32 + p, _MM_HINT_T0);
-        group(reinterpret_cast<const __m256i*>(w + static_cast<size_t>(g) * 32), g, 8,
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g))));
-    }
-    if (full < nb) {  // read from a zero-padded copy: absent blocks add exact zeros
+    for (int g = 0; g < full; g += 8) group(w + static_cast<size_t>(g) * 32, g, 8);
+    if (full < nb) {
         alignas(32) uint8_t tail[8 * 32] = {};
-        const int cnt = nb - full;
-        memcpy(tail, w + static_cast<size_t>(full) * 32, static_cast<size_t>(cnt) * 32);
-        group(reinterpret_cast<const __m256i*>(tail), full, cnt, load_scales<false>(sc + full, cnt));
+        memcpy(tail, w + static_cast<size_t>(full) * 32, static_cast<size_t>(nb - full) * 32);
+        group(tail, full, nb - full);
     }
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
