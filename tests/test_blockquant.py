@@ -135,39 +135,56 @@ def test_q5_0_codes_kept_exactly(k):
 
 
 def test_q5_pack_layout():
-    # 9 blocks: a whole group of 8, then a group holding one block (zero-padded)
-    codes = torch.randint(0, 32, (2, 9 * 32), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    # 11 rows (a whole tile of 8 and a zero-padded one of 3), 2 blocks
+    codes = torch.randint(0, 32, (11, 64), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
     packed = W5A8Linear.pack(codes)
     assert packed.shape == (2, 2 * 160)
-    group = packed[0, :160]
-    # the low 4 bits: W4A8's nibble layout
-    assert torch.equal(group[:128], W4A8Linear.pack(codes[:1, :256] & 0x0F)[0])
-    # fifth bits: vector 2p = first halves of blocks 2p, 2p + 1; vector 2p + 1 = their second halves
-    blocks = codes[0, :256].view(8, 32)
+    block = packed[0, 160:320]  # tile 0, block 1
+    # the low 4 bits as W4A8 packs them
+    assert torch.equal(block[:128], W4A8Linear.pack(codes[:8, 32:64] & 0x0F)[0])
+    # fifth bits: bit v of byte 4r + j = bit 4 of q[r][8c + 4h + j], v = 2c + h
     for v in range(8):
-        p, half = divmod(v, 2)
-        vec = torch.cat([blocks[2 * p, 16 * half : 16 * half + 16], blocks[2 * p + 1, 16 * half : 16 * half + 16]])
-        assert torch.equal((group[128:] >> v) & 1, vec >> 4)
-    tail = packed[0, 160:]
-    assert torch.equal(tail[:16], (codes[0, 256:272] & 0x0F) | ((codes[0, 272:288] & 0x0F) << 4))
-    assert (tail[16:128] == 0).all()
-    assert torch.equal(tail[128:144] & 1, codes[0, 256:272] >> 4)
-    assert torch.equal((tail[128:144] >> 1) & 1, codes[0, 272:288] >> 4)
-    assert (tail[128:] & 0xFC == 0).all() and (tail[144:] == 0).all()
-    lin = W5A8Linear(packed, torch.ones(2, 9), None, 9 * 32)
+        c, h = divmod(v, 2)
+        vec = codes[:8, 32 + 8 * c + 4 * h : 32 + 8 * c + 4 * h + 4].reshape(32)  # [row, j]
+        assert torch.equal((block[128:] >> v) & 1, vec >> 4)
+    assert (packed[1].view(2, 160)[:, :128].view(2, 4, 8, 4)[:, :, 3:] == 0).all()  # padding rows
+    lin = W5A8Linear(codes, torch.ones(11, 2), None)
     assert torch.equal(lin.codes(), codes)
     with pytest.raises(ValueError, match="0..31"):
         W5A8Linear.from_q5(torch.full((1, 32), 32, dtype=torch.uint8), torch.ones(1, 1), None)
 
 
 def test_pack_layout():
-    codes = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
+    # 11 rows: a whole tile of 8 and a tile holding 3 (zero-padded); 2 blocks
+    codes = torch.randint(0, 16, (11, 64), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
     packed = W4A8Linear.pack(codes)
-    assert packed.shape == (1, 32)
-    assert packed[0, 0].item() == (0 | (0 << 4))  # q[0] | q[16] << 4: 16 % 16 = 0
-    assert packed[0, 1].item() == (1 | (1 << 4))
-    lin = W4A8Linear(packed, torch.ones(1, 2), torch.zeros(1, 2), None, torch.float32)
+    assert packed.shape == (2, 2 * 128)
+    for tile, row, block, chunk, j in [(0, 0, 0, 0, 0), (0, 5, 1, 2, 3), (1, 2, 0, 3, 1), (0, 7, 1, 3, 3)]:
+        q = codes[8 * tile + row, 32 * block :]
+        byte = packed[tile, 128 * block + 32 * chunk + 4 * row + j].item()
+        assert byte == q[8 * chunk + j].item() | (q[8 * chunk + 4 + j].item() << 4)
+    assert (packed[1].view(2, 4, 8, 4)[:, :, 3:] == 0).all()  # padding rows
+    scale, offset = torch.rand(11, 2) + 0.5, torch.rand(11, 2)
+    lin = W4A8Linear(codes, scale, offset, None, torch.float32)
     assert torch.equal(lin.codes(), codes)
+    assert torch.equal(lin.scale, scale.half()) and torch.equal(lin.offset, offset.half())
+    assert torch.equal(lin.scale_bits.view(torch.float16)[0, 1], scale[:8, 1].half())  # a block's 8 rows side by side
+    assert lin.scale_bits.shape == (2, 2, 8) and (lin.offset_bits[1, :, 3:] == 0).all()
+
+
+@pytest.mark.parametrize("cls", [W4A8Linear, W5A8Linear])
+@pytest.mark.parametrize("n", [8, 13, 72])
+def test_tiles_any_row_count_and_batch_invariant(cls, n):
+    """Rows in tiles of 8 (a padded last tile for 13): every row count M gives each row the bits of M = 1."""
+    g = torch.Generator().manual_seed(n)
+    lin = cls.from_float(torch.randn(n, 96, generator=g), torch.randn(n, generator=g), torch.float32)
+    x = torch.randn(11, 96, generator=g)
+    y = lin(x)
+    ref = lin.ref_forward(x)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    for m in (1, 3, 4, 5, 8, 11):
+        assert torch.equal(lin(x[:m]), y[:m])
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(11)]), y)
 
 
 def test_quantize_model_w4a8_plumbing():
@@ -234,3 +251,15 @@ def test_real_05b_q5_0_layers_load_exactly():
     gate_up = model.layers[0].mlp.gate_up_proj
     assert isinstance(gate_up, W5A8Linear)
     assert torch.equal(gate_up.dequantize()[:n], want)  # gate rows first, exactly the file's weights
+
+
+@pytest.mark.parametrize("cls,top", [(W4A8Linear, 15), (W5A8Linear, 31)])
+def test_tiles_largest_codes_do_not_overflow_int16(cls, top):
+    """Every code at its maximum against activations all +-127: the int16 partial sums are at their
+    bound (q4: 8 * 2 * 15 * 127, q5: 4 * 2 * 31 * 127 per half) and must not saturate."""
+    codes = torch.full((8, 64), top, dtype=torch.uint8)
+    lin = W4A8Linear(codes, torch.ones(8, 2), torch.zeros(8, 2), None, torch.float32) if cls is W4A8Linear \
+        else W5A8Linear(codes, torch.ones(8, 2), None, torch.float32)
+    for sign in (1.0, -1.0):
+        x = torch.full((1, 64), sign)
+        torch.testing.assert_close(lin(x), lin.ref_forward(x), rtol=0, atol=0)

@@ -24,8 +24,8 @@ struct SsdLinear {
     int32_t n, k;
     int32_t w_bf16;          // dense: weights (and bias) are bf16
     const void* w;           // dense weight [N, K], or block codes
-    const uint16_t* scale;   // block: fp16 [N, K/32]
-    const uint16_t* offset;  // q4: fp16 [N, K/32]
+    const uint16_t* scale;   // block: fp16 [N, K/32] (q4: [ceil(N/8), K/32, 8], see qgemm.cpp)
+    const uint16_t* offset;  // q4: as scale
     const void* bias;        // dense: in w's dtype, added in fp32 before rounding; block: activation dtype, after
 };
 

@@ -1,36 +1,41 @@
 // Block-quantised GEMM for CPU decoding (AVX2 + FMA + F16C): y[M, N] = x[M, K] @ W[N, K]^T.
 //
 // Weights come in blocks of 32 along K with fp16 scales (formats numbered as SsdLinear.kind):
-//   q4 (1): w = s * q + o,    q in 0..15 (16 bytes per block: byte j = q[j] | q[j + 16] << 4)
+//   q4 (1): w = s * q + o,    q in 0..15, rows in tiles of 8 (below)
 //   q8 (2): w = s * q,        q in -127..127 (32 bytes per block)
-//   q5 (3): w = s * (q - 16), q in 0..31 (GGUF Q5_0): q4's nibbles plus a plane of fifth bits (below)
+//   q5 (3): w = s * (q - 16), q in 0..31 (GGUF Q5_0): q4's tiles plus a plane of fifth bits
 // Activations are quantised per row and block of 32 to int8 (xq, scale dx; Q8_0 style), so each
 // block's dot product is an exact integer sum (maddubs + madd):
 //   q4: y += s * dx * sum(q * xq) + o * (dx * sum(xq))        q8: y += s * dx * sum(q * xq)
 //   q5: as q4 with o = -16 s
-// Per group of 8 blocks the 8 integer sums are gathered into one vector by unpacks and adds
-// (exact), then one cvt + fma with the 8 block scales s * dx (q4: and one fma with o * sx, in its own accumulator).
 //
-// q4 reads two weight blocks per 32-byte load: the low nibbles of blocks (2p, 2p+1) are their first
-// 16 codes each, the high nibbles their last 16. q5 rows come in groups of 8 blocks, 160 bytes each:
-// the low 4 bits of the codes as q4 stores them (128 bytes), then 32 bytes whose bit v of byte j is
-// bit 4 of byte j of the group's unpacked vector v (v = 2p: pair p's first halves, 2p + 1: its
-// second halves); rows are zero-padded to whole groups. Unpacking costs a shift, an and and an or
-// per vector, shared by all activation rows, and a row streams 5.5 bits per weight instead of 8.
-// The activations are stored in the unpacked order (`pack_acts`), so one maddubs pair, an add and
-// a madd give both blocks' partial sums (codes < 64 keep the int16 sums exact) and a group needs
-// one lane-sum transpose; its lanes then hold blocks 0, 2, 4, 6, 1, 3, 5, 7, and dx, sx and the
-// weight scales are put in that order too. Activation rows are padded with zeros to whole groups,
-// so a short last group needs no special case: its missing blocks add exact zeros.
+// q4 and q5 interleave 8 weight rows (a tile; N is zero-padded to whole tiles) so that no lane sums
+// are needed: per tile and block, 128 bytes of nibbles in 4 chunks, where bytes 4r..4r+3 of chunk c
+// hold row r's codes 8c+j (low nibble) and 8c+4+j (high nibble), j = 0..3; q5 adds 32 bytes whose
+// bit v of byte i is bit 4 of byte i of unpacked vector v (v = 2c: chunk c's low nibbles, 2c + 1:
+// its high ones), moved into place by a shift, an and and an or per vector. A maddubs of one
+// unpacked vector with 4 activations broadcast to every lane adds 2 products per int16 lane; the
+// maddubs of a block add up in int16 (q4, all 8: |sum| <= 8 * 2 * 15 * 127 < 2^15; q5, by halves:
+// 4 * 2 * 31 * 127 < 2^15), and madds leave the 8 rows' block sums in the 8 lanes. Scales (and q4
+// offsets) are fp16 [tiles, nb, 8], one 16-byte load per block. Each output accumulates block by
+// block: acc = fma(s * dx, sum, acc), then acc = fma(o, sx, acc) (q5: o = -16 s). Unpacking is
+// shared by all activation rows of a pass. With scales (and offsets) a weight costs 5 bits (q4) or
+// 5.5 bits (q5), and rows need no padding along K.
+//
+// q8 goes row by row: per group of 8 blocks the 8 integer sums are gathered into one vector by
+// unpacks and adds (exact), then one cvt + fma with the 8 block scales s * dx. Activation rows are
+// padded with zeros to whole groups, so a short last group needs no special case: its missing
+// blocks add exact zeros.
 //
 // Row independence: every output element y[m, n] is computed by the same sequence of floating-point
 // operations whatever M is and whichever rows share a chunk (the chunk only decides how many rows
-// reuse one unpacked weight row). This is what lets a K+1-token verification reproduce one-token
+// reuse one unpacked weight row or tile). This is what lets a K+1-token verification reproduce one-token
 // decoding bit for bit. Build with -ffp-contract=off so the compiler cannot fuse differently in
 // different instantiations.
 //
-// Threads: the N outputs are split into contiguous ranges, one per OpenMP thread (the caller passes
-// torch.get_num_threads(); torch's own libgomp serves the pragma, so there is one thread pool).
+// Threads: the N outputs are split into contiguous ranges (q4, q5: of whole tiles), one per OpenMP thread
+// (the caller passes torch.get_num_threads(); torch's own libgomp serves the pragma, so there is one
+// thread pool).
 
 #include <immintrin.h>
 #include <math.h>
@@ -46,13 +51,6 @@ namespace {
 constexpr int QK = 32;
 constexpr int MC = 8;  // activation rows sharing one pass over a weight row
 constexpr int FMT_Q4 = 1, FMT_Q8 = 2, FMT_Q5 = 3;
-constexpr int Q5_GROUP_BYTES = 160;  // 8 blocks: 128 bytes of nibbles + 32 of fifth bits
-
-// Bytes of one weight row of K inputs.
-inline size_t row_bytes_of(int fmt, int K) {
-    const int nb = K / QK;
-    return fmt == FMT_Q4 ? K / 2 : fmt == FMT_Q8 ? K : static_cast<size_t>((nb + 7) / 8) * Q5_GROUP_BYTES;
-}
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -80,8 +78,8 @@ inline float dot_f32(const float* a, const float* b, int n) {
     return s;
 }
 
-// Quantised activations as the kernels read them: xq [M, nbp * 32] (q4/q5: paired order), dx and sx
-// [M, nbp] (q4/q5: lane-sum order), nbp = blocks rounded up to a whole group, zero padded.
+// Quantised activations as the kernels read them: xq [M, nbp * 32], dx and sx [M, nbp], nbp = blocks
+// rounded up to a whole group of 8, zero padded.
 struct QActs {
     int8_t* xq;
     float* dx;
@@ -89,33 +87,16 @@ struct QActs {
     int nbp;
 };
 
-// The paired kernels' lane sums leave block PAIRED_BLOCK_OF_LANE[l] of a group in lane l; the
-// activations are packed by the inverse map.
-constexpr int PAIRED_BLOCK_OF_LANE[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-constexpr int PAIRED_LANE_OF_BLOCK[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-
-QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K, bool paired) {
+QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K) {
     const int nb = K / QK, nbp = (nb + 7) / 8 * 8;
     QActs a{static_cast<int8_t*>(calloc(static_cast<size_t>(M) * nbp * QK, 1)),
             static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))),
             static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))), nbp};
-    for (int m = 0; m < M; ++m)
-        for (int b = 0; b < nb; ++b) {
-            const int g = b / 8 * 8, j = b % 8;
-            const int8_t* src = xq + static_cast<size_t>(m) * K + static_cast<size_t>(b) * QK;
-            int8_t* row = a.xq + static_cast<size_t>(m) * nbp * QK;
-            size_t at = static_cast<size_t>(m) * nbp + b;
-            if (paired) {
-                int8_t* dst = row + static_cast<size_t>(g) * QK + (j / 2) * 64 + (j % 2) * 16;
-                memcpy(dst, src, 16);
-                memcpy(dst + 32, src + 16, 16);
-                at = static_cast<size_t>(m) * nbp + g + PAIRED_LANE_OF_BLOCK[j];
-            } else {
-                memcpy(row + static_cast<size_t>(b) * QK, src, QK);
-            }
-            a.dx[at] = dx[static_cast<size_t>(m) * nb + b];
-            a.sx[at] = sx[static_cast<size_t>(m) * nb + b];
-        }
+    for (int m = 0; m < M; ++m) {
+        memcpy(a.xq + static_cast<size_t>(m) * nbp * QK, xq + static_cast<size_t>(m) * K, static_cast<size_t>(K));
+        memcpy(a.dx + static_cast<size_t>(m) * nbp, dx + static_cast<size_t>(m) * nb, sizeof(float) * nb);
+        memcpy(a.sx + static_cast<size_t>(m) * nbp, sx + static_cast<size_t>(m) * nb, sizeof(float) * nb);
+    }
     return a;
 }
 
@@ -125,86 +106,12 @@ void free_acts(QActs& a) {
     free(a.sx);
 }
 
-// 8 fp16 scales from `src` (only `cnt` exist; the rest read as 0) as fp32, in the paired lane order if PERM.
-template <bool PERM>
+// 8 fp16 scales from `src` (only `cnt` exist; the rest read as 0) as fp32.
 inline __m256 load_scales(const uint16_t* src, int cnt) {
-    __m128i h;
-    if (cnt == 8) {
-        h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    } else {
-        alignas(16) uint16_t tmp[8] = {};
-        memcpy(tmp, src, sizeof(uint16_t) * cnt);
-        h = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
-    }
-    const __m256 f = _mm256_cvtph_ps(h);
-    return PERM ? _mm256_permutevar8x32_ps(f, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(PAIRED_BLOCK_OF_LANE)))
-                : f;
-}
-
-// One q4 or q5 weight row (codes w, fp16 scales sc, q4: fp16 offsets oc) against R activation
-// rows from `a` (starting at row m0). R is a template argument so small R keeps its accumulators in
-// registers. `pf`: a later weight row to prefetch at the pace this one is read (nullptr: none).
-// Every group takes the same straight-line body (whole groups with the block count a constant): a
-// short last group reads zero codes for its absent blocks (q5 rows are padded; q4 reads a
-// zero-padded copy), which meet zero activations and add exact zeros.
-template <int FMT, int R>
-inline void row_dot_paired(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
-                           float* out, const uint8_t* pf) {
-    constexpr int group_bytes = FMT == FMT_Q4 ? 128 : Q5_GROUP_BYTES;  // weight bytes per group of 8 blocks
-    __m256 acc[R], acco[R];
-    for (int i = 0; i < R; ++i) acc[i] = acco[i] = _mm256_setzero_ps();
-    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
-    // One group: weights wg, cnt of its 8 blocks present (whole groups pass a constant 8).
-    auto group = [&](const uint8_t* wg, int g, int cnt) {
-        if (pf != nullptr)
-            for (int q = 0; q < group_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g / 8 * group_bytes + q, _MM_HINT_T0);
-        // The group's codes: lo = the first 16 codes of each block of a pair, hi = the last 16; the
-        // nibbles, for q5 or'ed with their fifth bits (bit v of each plane byte moved to bit 4 by a
-        // 16-bit shift: no bit crosses into bit 4 of the other byte).
-        __m256i lo[4], hi[4];
-        __m256i fifth = _mm256_setzero_si256();
-        if (FMT == FMT_Q5) fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 128));
-        auto high = [&](int v) {
-            return _mm256_and_si256(v <= 4 ? _mm256_slli_epi16(fifth, 4 - v) : _mm256_srli_epi16(fifth, v - 4), bit4);
-        };
-#pragma GCC unroll 4
-        for (int p = 0; p < 4; ++p) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
-            lo[p] = _mm256_and_si256(v, mask);
-            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-            if (FMT == FMT_Q5) {
-                lo[p] = _mm256_or_si256(lo[p], high(2 * p));
-                hi[p] = _mm256_or_si256(hi[p], high(2 * p + 1));
-            }
-        }
-        const __m256 s8 = load_scales<true>(sc + g, cnt);
-        const __m256 o8 = FMT == FMT_Q4 ? load_scales<true>(oc + g, cnt) : _mm256_mul_ps(s8, _mm256_set1_ps(-16.0f));
-#pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-            const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
-            const int8_t* x = a.xq + at * QK;
-            __m256i d[4];
-#pragma GCC unroll 4
-            for (int p = 0; p < 4; ++p) {
-                const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p));
-                const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p + 32));
-                d[p] = _mm256_madd_epi16(
-                    _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xlo), _mm256_maddubs_epi16(hi[p], xhi)), ones);
-            }
-            const __m256i dots = sum4_halves(d[0], d[1], d[2], d[3]);
-            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
-            acco[i] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a.sx + at), acco[i]);
-        }
-    };
-    const int full = nb / 8 * 8;
-    for (int g = 0; g < full; g += 8) group(w + g / 8 * group_bytes, g, 8);
-    if (full < nb) {  // q5 rows are zero-padded to whole groups; q4 reads a zero-padded copy
-        alignas(32) uint8_t tail[128] = {};
-        const uint8_t* wg = w + full / 8 * group_bytes;
-        if (FMT == FMT_Q4) wg = static_cast<const uint8_t*>(memcpy(tail, wg, static_cast<size_t>(nb - full) * 16));
-        group(wg, full, nb - full);
-    }
-    for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]) + hsum(acco[i]);
+    if (cnt == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    alignas(16) uint16_t h[8] = {};
+    memcpy(h, src, sizeof(uint16_t) * cnt);
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
 }
 
 // sum(q * xq) of one q8 block, 8 lanes still to add up: the weights' signs move onto the activations
@@ -214,7 +121,7 @@ inline __m256i q8_block_dot(const __m256i& wabs, const __m256i& wq, const int8_t
     return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
 }
 
-// One q8 weight row against R activation rows (as row_dot_paired; natural block order). A short last
+// One q8 weight row against R activation rows from `a` (starting at row m0). A short last
 // group reads a zero-padded copy: absent blocks add exact zeros.
 template <int R>
 inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0, int nb, float* out,
@@ -229,7 +136,7 @@ inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int
             const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg) + j);
             return q8_block_dot(_mm256_abs_epi8(wq), wq, x + 32 * j);
         };
-        const __m256 s8 = load_scales<false>(sc + g, cnt);
+        const __m256 s8 = load_scales(sc + g, cnt);
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
             const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
@@ -252,20 +159,115 @@ inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
 
+// Rows n0..n0+7 (one tile: codes w [nb, BLOCK_BYTES], fp16 scales sc and q4 offsets oc [nb, 8])
+// against R activation rows from `a` (starting at row m0): out[i * 8 + r] = y[m0 + i, n0 + r].
+// `pf`: prefetch this many bytes ahead in the weight stream (0: none); tiles are contiguous, so a
+// pass reading ahead also warms the next tile.
 template <int FMT, int R>
-inline void row_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
-                    float* out, const uint8_t* pf) {
-    if constexpr (FMT == FMT_Q8)
-        row_dot_q8<R>(w, sc, a, m0, nb, out, pf);
-    else
-        row_dot_paired<FMT, R>(w, sc, oc, a, m0, nb, out, pf);
+inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
+                     float* out, int pf) {
+    constexpr int block_bytes = FMT == FMT_Q4 ? 128 : 160;
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t* wb = w + static_cast<size_t>(b) * block_bytes;
+        if (pf != 0) {
+            for (int q = 0; q < block_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(wb) + pf + q, _MM_HINT_T0);
+            if (b % 4 == 0) {  // 16 bytes of scales per block: one line per 4 blocks
+                _mm_prefetch(reinterpret_cast<const char*>(sc + b * 8) + pf / 8, _MM_HINT_T0);
+                if (FMT == FMT_Q4) _mm_prefetch(reinterpret_cast<const char*>(oc + b * 8) + pf / 8, _MM_HINT_T0);
+            }
+        }
+        __m256i fifth = _mm256_setzero_si256();
+        if (FMT == FMT_Q5) fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128));
+        // bit v of each plane byte moved to bit 4 by a 16-bit shift: no bit crosses into the other byte's bit 4
+        auto high = [&](int v) {
+            return _mm256_and_si256(v <= 4 ? _mm256_slli_epi16(fifth, 4 - v) : _mm256_srli_epi16(fifth, v - 4), bit4);
+        };
+        __m256i sum16[R], sum32[R];  // int16 lanes 2r, 2r + 1 (int32 lane r) hold row r's partial sums
+        for (int i = 0; i < R; ++i) sum16[i] = sum32[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+            __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            if (FMT == FMT_Q5) {
+                lo = _mm256_or_si256(lo, high(2 * c));
+                hi = _mm256_or_si256(hi, high(2 * c + 1));
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < R; ++i) {
+                const int8_t* x = a.xq + (static_cast<size_t>(m0 + i) * a.nbp + b) * QK + 8 * c;
+                int32_t x_lo, x_hi;  // activations 8c..8c+3 and 8c+4..8c+7
+                memcpy(&x_lo, x, 4);
+                memcpy(&x_hi, x + 4, 4);
+                sum16[i] = _mm256_add_epi16(sum16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x_lo)),
+                                                                       _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x_hi))));
+                if (FMT == FMT_Q5 && c % 2 == 1) {  // q5 widens by halves (int16 holds 4 maddubs of codes < 32)
+                    sum32[i] = _mm256_add_epi32(sum32[i], _mm256_madd_epi16(sum16[i], ones));
+                    sum16[i] = _mm256_setzero_si256();
+                }
+            }
+        }
+        const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 8)));
+        const __m256 o8 = FMT == FMT_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oc + b * 8)))
+                                        : _mm256_mul_ps(s8, _mm256_set1_ps(-16.0f));
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+            const size_t at = static_cast<size_t>(m0 + i) * a.nbp + b;
+            const __m256i isum = FMT == FMT_Q4 ? _mm256_madd_epi16(sum16[i], ones) : sum32[i];
+            const __m256 dots = _mm256_cvtepi32_ps(isum);  // [8 rows]
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_set1_ps(a.dx[at])), dots, acc[i]);
+            acc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(a.sx[at]), acc[i]);
+        }
+    }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
+// q4, q5: tiles of 8 rows split between threads; up to 4 activation rows per pass over a tile (their
+// int16 sums and accumulators stay in registers).
 template <int FMT>
-void block_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N, int K,
-                void* y, int y_bf16, int nthreads) {
+void tile_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N, int K,
+               void* y, int y_bf16, int nthreads) {
+    constexpr int RC = 4, block_bytes = FMT == FMT_Q4 ? 128 : 160;
+    const int nb = K / QK, tiles = (N + 7) / 8;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int t0 = static_cast<int>(static_cast<int64_t>(tiles) * t / nt);
+        const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (t + 1) / nt);
+        alignas(32) float part[RC * 8];
+        for (int tile = t0; tile < t1; ++tile) {
+            const uint8_t* wt = w + static_cast<size_t>(tile) * nb * block_bytes;
+            const uint16_t* st = scale + static_cast<size_t>(tile) * nb * 8;
+            const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
+            const int rows = N - 8 * tile < 8 ? N - 8 * tile : 8;
+            for (int m0 = 0; m0 < M; m0 += RC) {
+                const int pf = m0 == 0 ? 8192 : 0;  // the first pass streams the weights from memory
+                switch (M - m0 < RC ? M - m0 : RC) {
+                    case 1: tile_dot<FMT, 1>(wt, st, ot, a, m0, nb, part, pf); break;
+                    case 2: tile_dot<FMT, 2>(wt, st, ot, a, m0, nb, part, pf); break;
+                    case 3: tile_dot<FMT, 3>(wt, st, ot, a, m0, nb, part, pf); break;
+                    default: tile_dot<FMT, 4>(wt, st, ot, a, m0, nb, part, pf); break;
+                }
+                for (int i = 0; i < RC && m0 + i < M; ++i)
+                    for (int r = 0; r < rows; ++r) {
+                        const size_t at = static_cast<size_t>(m0 + i) * N + 8 * tile + r;
+                        if (y_bf16)
+                            static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[8 * i + r]);
+                        else
+                            static_cast<float*>(y)[at] = part[8 * i + r];
+                    }
+            }
+        }
+    }
+}
+
+// q8: one weight row at a time, up to MC activation rows per pass.
+void block_gemm_q8(const uint8_t* w, const uint16_t* scale, const QActs& a, int M, int N, int K, void* y, int y_bf16,
+                int nthreads) {
     const int nb = K / QK;
-    const size_t row_bytes = row_bytes_of(FMT, K);
+    const size_t row_bytes = K;
 #pragma omp parallel num_threads(nthreads)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -279,25 +281,21 @@ void block_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset,
             const uint8_t* pf = n + ahead < N ? w + static_cast<size_t>(n + ahead) * row_bytes : nullptr;
             if (pf != nullptr) {
                 const size_t at = static_cast<size_t>(n + ahead) * nb;
-                for (int p = 0; p < nb * 2; p += 64) {
-                    _mm_prefetch(reinterpret_cast<const char*>(scale + at) + p, _MM_HINT_T0);
-                    if (FMT == FMT_Q4) _mm_prefetch(reinterpret_cast<const char*>(offset + at) + p, _MM_HINT_T0);
-                }
+                for (int p = 0; p < nb * 2; p += 64) _mm_prefetch(reinterpret_cast<const char*>(scale + at) + p, _MM_HINT_T0);
             }
             const uint8_t* wr = w + static_cast<size_t>(n) * row_bytes;
             const uint16_t* sr = scale + static_cast<size_t>(n) * nb;
-            const uint16_t* orow = FMT == FMT_Q4 ? offset + static_cast<size_t>(n) * nb : nullptr;
             for (int m0 = 0; m0 < M; m0 += MC) {
                 const uint8_t* p = m0 == 0 ? pf : nullptr;
                 switch (M - m0 < MC ? M - m0 : MC) {
-                    case 1: row_dot<FMT, 1>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 2: row_dot<FMT, 2>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 3: row_dot<FMT, 3>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 4: row_dot<FMT, 4>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 5: row_dot<FMT, 5>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 6: row_dot<FMT, 6>(wr, sr, orow, a, m0, nb, part, p); break;
-                    case 7: row_dot<FMT, 7>(wr, sr, orow, a, m0, nb, part, p); break;
-                    default: row_dot<FMT, 8>(wr, sr, orow, a, m0, nb, part, p); break;
+                    case 1: row_dot_q8<1>(wr, sr, a, m0, nb, part, p); break;
+                    case 2: row_dot_q8<2>(wr, sr, a, m0, nb, part, p); break;
+                    case 3: row_dot_q8<3>(wr, sr, a, m0, nb, part, p); break;
+                    case 4: row_dot_q8<4>(wr, sr, a, m0, nb, part, p); break;
+                    case 5: row_dot_q8<5>(wr, sr, a, m0, nb, part, p); break;
+                    case 6: row_dot_q8<6>(wr, sr, a, m0, nb, part, p); break;
+                    case 7: row_dot_q8<7>(wr, sr, a, m0, nb, part, p); break;
+                    default: row_dot_q8<8>(wr, sr, a, m0, nb, part, p); break;
                 }
                 for (int i = 0; i < MC && m0 + i < M; ++i) {
                     const size_t at = static_cast<size_t>(m0 + i) * N + n;
@@ -495,8 +493,8 @@ void ssd_quantize_rows(const void* x, int x_bf16, int M, int K, int8_t* xq, floa
 }
 
 // y [M, N] = x [M, K] @ W^T: quantise x's rows (as ssd_quantize_rows), then the block GEMM.
-// x and y share one dtype (bf16 when bf16, else fp32). offset == nullptr: q8 weights, else q4.
-// fmt: 1 q4 (offset given), 2 q8, 3 q5 (see the top of this file).
+// x and y share one dtype (bf16 when bf16, else fp32). fmt: 1 q4 (tiles, with offsets), 2 q8, 3 q5
+// (offset nullptr); see the top of this file.
 void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint16_t* scale,
                 const uint16_t* offset, int fmt, void* y, int bf16, int nthreads) {
     const size_t nb = static_cast<size_t>(K) / QK;
@@ -504,13 +502,13 @@ void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint
     float* dx = static_cast<float*>(malloc(sizeof(float) * M * nb));
     float* sx = static_cast<float*>(malloc(sizeof(float) * M * nb));
     ssd_quantize_rows(x, bf16, M, K, xq, dx, sx);
-    QActs a = pack_acts(xq, dx, sx, M, K, fmt != FMT_Q8);
+    QActs a = pack_acts(xq, dx, sx, M, K);
     if (fmt == FMT_Q4)
-        block_gemm<FMT_Q4>(w, scale, offset, a, M, N, K, y, bf16, nthreads);
+        tile_gemm<FMT_Q4>(w, scale, offset, a, M, N, K, y, bf16, nthreads);
     else if (fmt == FMT_Q5)
-        block_gemm<FMT_Q5>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
+        tile_gemm<FMT_Q5>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
     else
-        block_gemm<FMT_Q8>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
+        block_gemm_q8(w, scale, a, M, N, K, y, bf16, nthreads);
     free_acts(a);
     free(xq);
     free(dx);

@@ -4,10 +4,8 @@
   (5 bits per weight; a GGUF Q4_K sub-block keeps its codes, only d*sc and -dmin*m are rounded to
   fp16).
 * `W8A8Linear`: w = scale * q per block of 32, q in -127..127, fp16 scale (8.5 bits per weight).
-* `W5A8Linear`: w = scale * (q - 16) per block of 32, q in 0..31, fp16 scale: GGUF Q5_0 exactly.
-  One code per byte (8.5 bits per weight, as W8A8), but unsigned codes below 64 let the kernel
-  take two blocks per multiply-add, as for W4A8: about 0.7-0.85x W8A8's time on a verification
-  or fan-out block.
+* `W5A8Linear`: w = scale * (q - 16) per block of 32, q in 0..31, fp16 scale: GGUF Q5_0 exactly,
+  at 5.5 bits per weight; unsigned codes below 64 let the kernel take two blocks per multiply-add.
 
 Activations are quantised per row and block of 32 to int8 (dx = absmax / 127) inside the kernel,
 as llama.cpp does for its Q4/Q8 dot products, so every block product is an exact integer sum. That
@@ -109,35 +107,96 @@ class _BlockLinear(_QuantLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class W4A8Linear(_BlockLinear):
-    """q4 codes packed [N, K/2] (byte j of a block = q[j] | q[j+16] << 4), fp16 scale/offset [N, K/32]."""
+class _TiledLinear(_BlockLinear):
+    """Codes in tiles of 8 rows (N zero-padded to whole tiles): `qweight` uint8 [tiles, K/32 * BLOCK_BYTES],
+    `scale_bits` int16 [tiles, K/32, 8] (a block's 8 rows side by side), as qgemm.cpp reads them.
+
+    Per tile and block: 128 bytes of nibbles in 4 chunks of 32; chunk c holds for row r at bytes
+    4r + j (j = 0..3) q[r][8c + j] | q[r][8c + 4 + j] << 4, so an unpacked chunk is two vectors:
+    v = 2c (the low nibbles) and v = 2c + 1 (the high ones).
+    """
+
+    TILE = 8  # weight rows interleaved so one multiply-add covers all of them (qgemm.cpp)
+    BLOCK_BYTES = 128
+    FMT = ""
+
+    def _tiled_buffers(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                       act_dtype: torch.dtype) -> None:
+        n, k = codes.shape
+        self._setup(n, k, bias, act_dtype)
+        self.register_buffer("qweight", self.pack(codes))
+        self.register_buffer("scale_bits", self._tiled(_fp16(scale)).view(torch.int16))
+
+    @classmethod
+    def _tiled(cls, t: torch.Tensor) -> torch.Tensor:
+        """[N, nb] -> [tiles, nb, 8]: rows zero-padded to whole tiles, a tile's 8 rows side by side."""
+        n, nb = t.shape
+        padded = torch.zeros(-(-n // cls.TILE) * cls.TILE, nb, dtype=t.dtype)
+        padded[:n] = t
+        return padded.view(-1, cls.TILE, nb).transpose(1, 2).contiguous()
+
+    def _untiled(self, bits: torch.Tensor) -> torch.Tensor:  # [tiles, nb, 8] int16 -> fp16 [N, nb]
+        rows = bits.view(torch.float16).transpose(1, 2).reshape(-1, self.in_features // QK)
+        return rows[: self.out_features]
+
+    @property
+    def scale(self) -> torch.Tensor:  # fp16 [N, K/32]
+        return self._untiled(self.scale_bits)
+
+    @classmethod
+    def _nibble_chunks(cls, codes: torch.Tensor) -> torch.Tensor:
+        """codes [N, K] -> their low 4 bits as [tiles, K/32, 128] bytes (the chunk layout above)."""
+        n, k = codes.shape
+        c = torch.zeros(-(-n // cls.TILE) * cls.TILE, k, dtype=torch.uint8)
+        c[:n] = codes
+        c = c.view(-1, cls.TILE, k // QK, 4, 2, 4) & 0x0F  # [tile, row, block, chunk, nibble, j]
+        packed = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)  # [tile, row, block, chunk, j]
+        return packed.permute(0, 2, 3, 1, 4).reshape(-1, k // QK, 4 * QK)
+
+    def _vectors(self) -> torch.Tensor:
+        """The unpacked vectors [tiles, K/32, 8 (v), 32] of the nibbles (v = 2c + nibble)."""
+        g = self.qweight.view(-1, self.in_features // QK, self.BLOCK_BYTES)[:, :, : 4 * QK]
+        b = g.reshape(g.shape[0], g.shape[1], 4, 1, 32)
+        return torch.cat([b & 0x0F, b >> 4], dim=3).reshape(g.shape[0], g.shape[1], 8, 32)
+
+    def _codes_of(self, vec: torch.Tensor) -> torch.Tensor:
+        """Vectors [tiles, K/32, 8, 32] -> codes [N, K]."""
+        n, k = self.out_features, self.in_features
+        c = vec.view(-1, k // QK, 4, 2, self.TILE, 4)  # [tile, block, chunk, nibble, row, j]
+        return c.permute(0, 4, 1, 2, 3, 5).reshape(-1, k)[:n]
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        offset = self.offset_bits.view(torch.float16) if self.FMT == "q4" else None
+        return qk.linear(x2, self.qweight, self.scale_bits.view(torch.float16), offset, fmt=self.FMT,
+                         n=self.out_features)
+
+
+class W4A8Linear(_TiledLinear):
+    """q4 codes (w = scale * q + offset per block of 32) in tiles of 8 rows, fp16 scale and offset
+    (`offset_bits` int16 [tiles, K/32, 8], as `scale_bits`)."""
+
+    FMT = "q4"
 
     def __init__(
-        self, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None,
+        self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None,
         act_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        """codes [N, K] in 0..15, scale and offset [N, K/32]; codes kept as given."""
         super().__init__()
-        n, half_k = qweight.shape
-        self._setup(n, half_k * 2, bias, act_dtype)
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scale_bits", _fp16(scale).view(torch.int16))
-        self.register_buffer("offset_bits", _fp16(offset).view(torch.int16))
+        self._tiled_buffers(codes, scale, bias, act_dtype)
+        self.register_buffer("offset_bits", self._tiled(_fp16(offset)).view(torch.int16))
 
     @property
     def offset(self) -> torch.Tensor:  # fp16 [N, K/32]
-        return self.offset_bits.view(torch.float16)
+        return self._untiled(self.offset_bits)
 
-    @staticmethod
-    def pack(codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, K] in 0..15 -> [N, K/2] bytes, byte j of each block of 32 = q[j] | q[j + 16] << 4."""
-        n, k = codes.shape
-        c = codes.to(torch.uint8).view(n, k // QK, 2, QK // 2)
-        return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    @classmethod
+    def pack(cls, codes: torch.Tensor) -> torch.Tensor:
+        """codes [N, K] in 0..15 -> [tiles, K/32 * 128] bytes."""
+        return cls._nibble_chunks(codes).reshape(-1, codes.shape[1] // QK * 128).contiguous()
 
     def codes(self) -> torch.Tensor:
-        n, k = self.out_features, self.in_features
-        b = self.qweight.view(n, k // QK, QK // 2)
-        return torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, k)
+        return self._codes_of(self._vectors())
 
     @classmethod
     def from_affine(
@@ -145,7 +204,7 @@ class W4A8Linear(_BlockLinear):
         act_dtype: torch.dtype = torch.bfloat16,
     ) -> W4A8Linear:
         """w = scale * q + offset with codes [N, K] (0..15) and scale/offset [N, K/32]; codes kept as given."""
-        return cls(cls.pack(codes), scale, offset, bias, act_dtype)
+        return cls(codes, scale, offset, bias, act_dtype)
 
     @classmethod
     def from_float(
@@ -173,15 +232,12 @@ class W4A8Linear(_BlockLinear):
             g.sub_(o.float()[..., None]).div_(s_safe[..., None]).round_().clamp_(0, 15)
             codes[r : r + _ROWS] = g.view(-1, k).to(torch.uint8)
             scale[r : r + _ROWS], offset[r : r + _ROWS] = s, o
-        return cls(cls.pack(codes), scale, offset, bias, act_dtype)
+        return cls(codes, scale, offset, bias, act_dtype)
 
     def dequantize(self) -> torch.Tensor:
         q = self.codes().float().view(self.out_features, -1, QK)
         w = q * self.scale.float()[..., None] + self.offset.float()[..., None]
         return w.view(self.out_features, self.in_features)
-
-    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        return qk.linear(x2, self.qweight, self.scale, self.offset, fmt="q4")
 
 
 class W8A8Linear(_BlockLinear):
@@ -213,57 +269,40 @@ class W8A8Linear(_BlockLinear):
         return qk.linear(x2, self.qweight, self.scale, fmt="q8")
 
 
-class W5A8Linear(_BlockLinear):
-    """q5 codes (0..31, w = scale * (q - 16)) at 5 bits in groups of 8 blocks (see `pack`), fp16 scale [N, K/32]."""
+class W5A8Linear(_TiledLinear):
+    """q5 codes (0..31, w = scale * (q - 16)) in tiles of 8 rows, fp16 scale: per tile and block the
+    low 4 bits as W4A8Linear packs them, then 32 bytes of fifth bits (see `pack`)."""
 
-    GROUP_BYTES = 160  # 8 blocks of 32 codes: 128 bytes of low nibbles + 32 bytes of fifth bits
+    FMT = "q5"
+    BLOCK_BYTES = 160
 
     def __init__(
-        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+        self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
         act_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        """codes [N, K] in 0..31, scale [N, K/32]."""
         super().__init__()
-        n = qweight.shape[0]
-        self._setup(n, in_features, bias, act_dtype)
-        if qweight.shape[1] != self.row_bytes(in_features):
-            raise ValueError(f"q5 codes {tuple(qweight.shape)} do not fit in_features {in_features}")
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scale_bits", _fp16(scale).view(torch.int16))
-
-    @classmethod
-    def row_bytes(cls, k: int) -> int:
-        return -(-(k // QK) // 8) * cls.GROUP_BYTES
+        if codes.numel() and int(codes.max()) > 31:
+            raise ValueError("q5 codes must lie in 0..31")
+        self._tiled_buffers(codes, scale, bias, act_dtype)
 
     @classmethod
     def pack(cls, codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, K] -> [N, row_bytes(K)], per group of 8 blocks (zero-padded to whole groups):
-
-        * 128 bytes: the low 4 bits as W4A8Linear.pack stores codes. Unpacked, pair p of blocks
-          (A, B) gives the vectors v = 2p: A[0:16] B[0:16] and v = 2p + 1: A[16:32] B[16:32];
-        * 32 bytes: bit v of byte j = bit 4 of byte j of vector v.
-        """
+        """codes [N, K] -> [tiles, K/32 * 160]: per block 128 bytes of nibbles, then 32 bytes whose
+        bit v of byte i is bit 4 of byte i of unpacked vector v (v = 2c + nibble, chunk c)."""
         n, k = codes.shape
-        nb = k // QK
-        groups = -(-nb // 8)
-        c = torch.zeros(n, groups * 8, QK, dtype=torch.uint8)
-        c[:, :nb] = codes.to(torch.uint8).view(n, nb, QK)
-        # [N, groups, pair, block in pair, half, 16] -> vectors [N, groups, pair, half, 32]
-        vec = c.view(n, groups, 4, 2, 2, QK // 2).transpose(3, 4).reshape(n, groups, 4, 2, QK)
-        nibbles = (vec[:, :, :, 0] & 0x0F) | ((vec[:, :, :, 1] & 0x0F) << 4)  # [N, groups, 4, 32]
-        fifth = (vec.reshape(n, groups, 8, QK) >> 4).to(torch.int32)  # [N, groups, vector, 32]
-        plane = (fifth << torch.arange(8, dtype=torch.int32)[:, None]).sum(dim=2).to(torch.uint8)  # [N, groups, 32]
-        return torch.cat([nibbles.reshape(n, groups, 4 * QK), plane], dim=2).reshape(n, -1).contiguous()
+        c = torch.zeros(-(-n // cls.TILE) * cls.TILE, k, dtype=torch.uint8)
+        c[:n] = codes
+        vec = c.view(-1, cls.TILE, k // QK, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [tile, block, chunk, nibble, row, j]
+        fifth = (vec.reshape(-1, k // QK, 8, QK) >> 4).to(torch.int32)  # [tile, block, v, 32]
+        plane = (fifth << torch.arange(8, dtype=torch.int32)[:, None]).sum(dim=2).to(torch.uint8)  # [tile, block, 32]
+        return torch.cat([cls._nibble_chunks(c), plane], dim=2).reshape(-1, k // QK * cls.BLOCK_BYTES).contiguous()
 
     def codes(self) -> torch.Tensor:
-        n, k = self.out_features, self.in_features
-        g = self.qweight.view(n, -1, self.GROUP_BYTES)
-        groups = g.shape[1]
-        nibbles = g[:, :, : 4 * QK].reshape(n, groups, 4, QK)
-        vec = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(n, groups, 8, QK)  # [N, groups, vector, 32]
-        plane = g[:, :, 4 * QK :].to(torch.int32)[:, :, None]  # [N, groups, 1, 32]
-        vec = vec | (((plane >> torch.arange(8, dtype=torch.int32)[:, None]) & 1) << 4).to(torch.uint8)
-        c = vec.view(n, groups, 4, 2, 2, QK // 2).transpose(3, 4).reshape(n, groups * 8, QK)
-        return c[:, : k // QK].reshape(n, k)
+        g = self.qweight.view(-1, self.in_features // QK, self.BLOCK_BYTES)
+        plane = g[:, :, 4 * QK :].to(torch.int32)[:, :, None]  # [tile, block, 1, 32]
+        high = ((plane >> torch.arange(8, dtype=torch.int32)[:, None]) & 1) << 4  # [tile, block, v, 32]
+        return self._codes_of(self._vectors() | high.to(torch.uint8))
 
     @classmethod
     def from_q5(
@@ -271,9 +310,7 @@ class W5A8Linear(_BlockLinear):
         act_dtype: torch.dtype = torch.bfloat16,
     ) -> W5A8Linear:
         """w = scale * (q - 16) with codes [N, K] (0..31, as GGUF Q5_0 stores them) and scale [N, K/32]."""
-        if codes.numel() and int(codes.max()) > 31:
-            raise ValueError("q5 codes must lie in 0..31")
-        return cls(cls.pack(codes), scale, bias, codes.shape[1], act_dtype)
+        return cls(codes, scale, bias, act_dtype)
 
     @classmethod
     def from_float(
@@ -287,8 +324,6 @@ class W5A8Linear(_BlockLinear):
         q = self.codes().float().view(self.out_features, -1, QK) - 16.0
         return (q * self.scale.float()[..., None]).view(self.out_features, self.in_features)
 
-    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        return qk.linear(x2, self.qweight, self.scale, fmt="q5")
 
 
 def concat_block_linears(mods: list[_BlockLinear]) -> _BlockLinear | None:
@@ -302,7 +337,8 @@ def concat_block_linears(mods: list[_BlockLinear]) -> _BlockLinear | None:
         bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=dtype) for m in mods])
     cat = lambda name: torch.cat([getattr(m, name) for m in mods])
     if isinstance(first, W4A8Linear):
-        return W4A8Linear(cat("qweight"), cat("scale"), cat("offset"), bias, dtype or torch.bfloat16)
+        codes = torch.cat([m.codes() for m in mods])  # tiles would straddle parts: repack from codes
+        return W4A8Linear(codes, cat("scale"), cat("offset"), bias, dtype or torch.bfloat16)
     if isinstance(first, W5A8Linear):
-        return W5A8Linear(cat("qweight"), cat("scale"), bias, first.in_features, dtype or torch.bfloat16)
+        return W5A8Linear(torch.cat([m.codes() for m in mods]), cat("scale"), bias, dtype or torch.bfloat16)
     return W8A8Linear(cat("qweight"), cat("scale"), bias, dtype or torch.bfloat16)
