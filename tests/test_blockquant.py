@@ -1,5 +1,5 @@
-"""Block-quantised W4A8 / W5A8 / W8A8 layers (AVX2 kernel, ssd/kernels/cpu): kernel vs torch
-reference, row independence, rounding bounds, Q4_K and Q5_0 codes kept, model plumbing."""
+"""Block-quantised W4A8 / W5A8 / W6A8 / W8A8 layers (AVX2 kernel, ssd/kernels/cpu): kernel vs torch
+reference, row independence, rounding bounds, Q4_K, Q5_0 and Q6_K codes kept, model plumbing."""
 
 import numpy as np
 import pytest
@@ -8,12 +8,12 @@ from test_quant import random_q4k_blocks, real_gguf_tensor
 from tiny_models import random_model
 
 from ssd.kernels import cpu as qk
-from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W8A8Linear
-from ssd.workers.models.quant import Int8Linear, q4k_to_affine, q5_0_codes, quantize_model
+from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
+from ssd.workers.models.quant import Int8Linear, q4k_to_affine, q5_0_codes, q6k_codes, quantize_model
 
 pytestmark = pytest.mark.skipif(not qk.available(), reason=f"block-quantised kernel: {qk.unavailable_reason()}")
 
-CLASSES = [W4A8Linear, W5A8Linear, W8A8Linear]
+CLASSES = [W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear]
 DTYPES = [torch.bfloat16, torch.float32]
 
 
@@ -49,7 +49,7 @@ def test_kernel_matches_reference(cls, dtype, m, k):
     # and the model it defines is close to the float layer: activation + weight rounding only.
     full = torch.nn.functional.linear(x.float(), w, b)
     rel = (torch.linalg.norm(y.float() - full) / torch.linalg.norm(full)).item()
-    assert rel < {W4A8Linear: 0.12, W5A8Linear: 0.06, W8A8Linear: 0.02}[cls]
+    assert rel < {W4A8Linear: 0.12, W5A8Linear: 0.06, W6A8Linear: 0.03, W8A8Linear: 0.02}[cls]
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -172,7 +172,7 @@ def test_pack_layout():
     assert lin.scale_bits.shape == (2, 2, 8) and (lin.offset_bits[1, :, 3:] == 0).all()
 
 
-@pytest.mark.parametrize("cls", [W4A8Linear, W5A8Linear])
+@pytest.mark.parametrize("cls", [W4A8Linear, W5A8Linear, W6A8Linear])
 @pytest.mark.parametrize("n", [8, 13, 72])
 def test_tiles_any_row_count_and_batch_invariant(cls, n):
     """Rows in tiles of 8 (a padded last tile for 13): every row count M gives each row the bits of M = 1."""
@@ -253,13 +253,83 @@ def test_real_05b_q5_0_layers_load_exactly():
     assert torch.equal(gate_up.dequantize()[:n], want)  # gate rows first, exactly the file's weights
 
 
-@pytest.mark.parametrize("cls,top", [(W4A8Linear, 15), (W5A8Linear, 31)])
+@pytest.mark.parametrize("cls,top", [(W4A8Linear, 15), (W5A8Linear, 31), (W6A8Linear, 63)])
 def test_tiles_largest_codes_do_not_overflow_int16(cls, top):
     """Every code at its maximum against activations all +-127: the int16 partial sums are at their
-    bound (q4: 8 * 2 * 15 * 127, q5: 4 * 2 * 31 * 127 per half) and must not saturate."""
+    bound (q4: 8 * 2 * 15 * 127, q5: 4 * 2 * 31 * 127, q6: 2 * 2 * 63 * 127) and must not wrap."""
     codes = torch.full((8, 64), top, dtype=torch.uint8)
-    lin = W4A8Linear(codes, torch.ones(8, 2), torch.zeros(8, 2), None, torch.float32) if cls is W4A8Linear \
-        else W5A8Linear(codes, torch.ones(8, 2), None, torch.float32)
+    if cls is W4A8Linear:
+        lin = W4A8Linear(codes, torch.ones(8, 2), torch.zeros(8, 2), None, torch.float32)
+    else:
+        lin = cls(codes, torch.ones(8, 64 // getattr(cls, "SUB", 32)), None, torch.float32)
     for sign in (1.0, -1.0):
         x = torch.full((1, 64), sign)
         torch.testing.assert_close(lin(x), lin.ref_forward(x), rtol=0, atol=0)
+
+
+def random_q6k_blocks(n_blocks: int, seed: int) -> np.ndarray:
+    """Valid Q6_K super-blocks: random code and scale bytes, a finite fp16 d."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n_blocks, 210), dtype=np.uint8)
+    d = rng.uniform(1e-5, 3e-4, n_blocks) * rng.choice([-1, 1], n_blocks)
+    blocks[:, 208:210] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+def check_q6k_codes(blocks: np.ndarray, n: int, k: int) -> W6A8Linear:
+    """The codes reproduce gguf's dequantisation exactly with d * sc in fp32; W6A8Linear keeps them, and
+    its weights differ only by the fp16 rounding of d * sc."""
+    import gguf
+
+    want = gguf.quants.dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType.Q6_K)
+    want = torch.from_numpy(want.reshape(n, k).copy())
+    codes, scale = q6k_codes(torch.from_numpy(np.array(blocks)), n, k)
+    assert codes.max() <= 63 and scale.shape == (n, k // 16) and scale.dtype == torch.float16
+    raw = torch.from_numpy(np.array(blocks)).reshape(-1, 210)
+    d = raw[:, 208:210].contiguous().view(torch.float16).float()
+    exact = (d * raw[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, k // 16)  # d * sc in fp32
+    assert torch.equal((codes.float() - 32).view(n, -1, 16) * exact[..., None], want.view(n, -1, 16))
+    lin = W6A8Linear(codes, scale, None, torch.float32)
+    assert torch.equal(lin.codes(), codes)
+    bound = 32 * (exact - scale.float()).abs().repeat_interleave(16, dim=1)
+    assert ((lin.dequantize() - want).abs() <= bound * 1.001 + 1e-12).all()
+    return lin
+
+
+def test_q6k_codes_kept_and_weights_up_to_fp16_scales():
+    lin = check_q6k_codes(random_q6k_blocks(16 * 512 // 256, seed=6), 16, 512)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(6))
+    ref = lin.ref_forward(x)
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_q6_pack_layout():
+    codes = torch.randint(0, 64, (11, 64), generator=torch.Generator().manual_seed(2)).to(torch.uint8)
+    packed = W6A8Linear.pack(codes)
+    assert packed.shape == (2, 2 * 192)
+    block = packed[0, 192:384]  # tile 0, block 1
+    assert torch.equal(block[:128], W4A8Linear.pack(codes[:8, 32:64] & 0x0F)[0])
+    for v in range(8):  # bits 2(v % 4), +1 of plane v // 4 = bits 4, 5 of vector v
+        c, h = divmod(v, 2)
+        vec = codes[:8, 32 + 8 * c + 4 * h : 32 + 8 * c + 4 * h + 4].reshape(32)  # [row, j]
+        plane = block[128 + 32 * (v // 4) : 160 + 32 * (v // 4)]
+        assert torch.equal((plane >> (2 * (v % 4))) & 3, vec >> 4)
+    lin = W6A8Linear(codes, torch.ones(11, 4), None)
+    assert torch.equal(lin.codes(), codes) and lin.scale_bits.shape == (2, 4, 8)
+    with pytest.raises(ValueError, match="0..63"):
+        W6A8Linear(torch.full((1, 32), 64, dtype=torch.uint8), torch.ones(1, 2), None)
+    with pytest.raises(ValueError, match="one per 16"):
+        W6A8Linear(codes, torch.ones(11, 2), None)
+
+
+@pytest.mark.real_model
+def test_real_15b_q6k_layers_load_as_q6():
+    """qwen-coder-1.5b's Q4_K_M GGUF stores the head, v and half of down as Q6_K: w4a8 keeps their codes."""
+    from ssd.workers.loader import load_model
+
+    check_q6k_codes(*real_gguf_tensor("qwen-coder-1.5b", "blk.0.ffn_down.weight", "Q6_K"))
+    model = load_model("qwen-coder-1.5b", dtype=torch.bfloat16, quantization="w4a8", progress=False).model
+    down = model.layers[0].mlp.down_proj
+    assert isinstance(down, W6A8Linear) and isinstance(model.lm_head, W6A8Linear)
+    data, n, k = real_gguf_tensor("qwen-coder-1.5b", "blk.0.ffn_down.weight", "Q6_K")
+    assert torch.equal(down.codes(), q6k_codes(torch.from_numpy(np.array(data)), n, k)[0])

@@ -159,7 +159,7 @@ def ref_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return xq.to(torch.int8).view(m, k), dx, sx
 
 
-BLOCK_FORMATS = {"q4": 1, "q8": 2, "q5": 3}  # as LinearDesc.kind
+BLOCK_FORMATS = {"q4": 1, "q8": 2, "q5": 3, "q6": 4}  # as LinearDesc.kind
 
 
 def linear(
@@ -172,6 +172,9 @@ def linear(
       ssd.workers.models.blockquant.W4A8Linear.pack); `n` gives N;
     * "q5": W = scale * (q - 16), codes 0..31 in the same tiles plus a plane of fifth bits:
       qweight [ceil(N/8), K/32 * 160], scale as q4's (see W5A8Linear.pack); `n` gives N;
+    * "q6": W = scale * (q - 32), codes 0..63 in the same tiles plus two planes of high bits, a scale
+      per 16 weights: qweight [ceil(N/8), K/32 * 192], scale fp16 [ceil(N/8), K/16, 8] (see
+      W6A8Linear.pack); `n` gives N;
     * "q8": W = scale * q, qweight int8 [N, K], scale [N, K/32].
 
     x must be a contiguous fp32/bf16 CPU tensor with K a multiple of 32 (the layers check once, at
@@ -182,7 +185,7 @@ def linear(
     if (fmt == "q4") != (offset is not None):
         raise ValueError("q4 weights need an offset, and only q4 weights take one")
     if (fmt == "q8") == (n is not None):
-        raise ValueError("q4 and q5 weights (in tiles of 8 rows) need n, and q8 weights take none")
+        raise ValueError("q4, q5 and q6 weights (in tiles of 8 rows) need n, and q8 weights take none")
     m, k = x.shape
     n = qweight.shape[0] if n is None else n
     y = torch.empty(m, n, dtype=x.dtype)

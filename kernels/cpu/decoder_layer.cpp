@@ -20,11 +20,11 @@ extern "C" {
 
 // Mirrors ssd.kernels.cpu.LinearDesc (ctypes).
 struct SsdLinear {
-    int32_t kind;  // 0: dense fp32/bf16 weights; 1: block q4 (w4a8); 2: block q8 (w8a8); 3: block q5 (Q5_0)
+    int32_t kind;  // 0: dense fp32/bf16 weights; block: 1 q4 (w4a8), 2 q8 (w8a8), 3 q5 (Q5_0), 4 q6 (Q6_K)
     int32_t n, k;
     int32_t w_bf16;          // dense: weights (and bias) are bf16
     const void* w;           // dense weight [N, K], or block codes
-    const uint16_t* scale;   // block: fp16 [N, K/32] (q4: [ceil(N/8), K/32, 8], see qgemm.cpp)
+    const uint16_t* scale;   // block: fp16 scales as qgemm.cpp reads them (q8: [N, K/32])
     const uint16_t* offset;  // q4: as scale
     const void* bias;        // dense: in w's dtype, added in fp32 before rounding; block: activation dtype, after
 };

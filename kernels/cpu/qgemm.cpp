@@ -4,23 +4,27 @@
 //   q4 (1): w = s * q + o,    q in 0..15, rows in tiles of 8 (below)
 //   q8 (2): w = s * q,        q in -127..127 (32 bytes per block)
 //   q5 (3): w = s * (q - 16), q in 0..31 (GGUF Q5_0): q4's tiles plus a plane of fifth bits
+//   q6 (4): w = s * (q - 32), q in 0..63, a scale per 16 weights (GGUF Q6_K): q4's tiles plus two
+//           planes of high bits
 // Activations are quantised per row and block of 32 to int8 (xq, scale dx; Q8_0 style), so each
 // block's dot product is an exact integer sum (maddubs + madd):
 //   q4: y += s * dx * sum(q * xq) + o * (dx * sum(xq))        q8: y += s * dx * sum(q * xq)
 //   q5: as q4 with o = -16 s
 //
-// q4 and q5 interleave 8 weight rows (a tile; N is zero-padded to whole tiles) so that no lane sums
-// are needed: per tile and block, 128 bytes of nibbles in 4 chunks, where bytes 4r..4r+3 of chunk c
-// hold row r's codes 8c+j (low nibble) and 8c+4+j (high nibble), j = 0..3; q5 adds 32 bytes whose
-// bit v of byte i is bit 4 of byte i of unpacked vector v (v = 2c: chunk c's low nibbles, 2c + 1:
-// its high ones), moved into place by a shift, an and and an or per vector. A maddubs of one
-// unpacked vector with 4 activations broadcast to every lane adds 2 products per int16 lane; the
-// maddubs of a block add up in int16 (q4, all 8: |sum| <= 8 * 2 * 15 * 127 < 2^15; q5, by halves:
-// 4 * 2 * 31 * 127 < 2^15), and madds leave the 8 rows' block sums in the 8 lanes. Scales (and q4
-// offsets) are fp16 [tiles, nb, 8], one 16-byte load per block. Each output accumulates block by
-// block: acc = fma(s * dx, sum, acc), then acc = fma(o, sx, acc) (q5: o = -16 s). Unpacking is
-// shared by all activation rows of a pass. With scales (and offsets) a weight costs 5 bits (q4) or
-// 5.5 bits (q5), and rows need no padding along K.
+// q4, q5 and q6 interleave 8 weight rows (a tile; N is zero-padded to whole tiles) so that no lane
+// sums are needed: per tile and block, 128 bytes of nibbles in 4 chunks, where bytes 4r..4r+3 of
+// chunk c hold row r's codes 8c+j (low nibble) and 8c+4+j (high nibble), j = 0..3. q5 adds 32 bytes
+// whose bit v of byte i is bit 4 of byte i of unpacked vector v (v = 2c: chunk c's low nibbles,
+// 2c + 1: its high ones); q6 adds 64: bits 2(v % 4) and 2(v % 4) + 1 of byte i of the second 32
+// bytes' half v / 4 are bits 4 and 5 of that byte. High bits are moved into place by a shift, an
+// and and an or per vector. A maddubs of one unpacked vector with 4 activations broadcast to every
+// lane adds 2 products per int16 lane; the maddubs add up in int16 and are widened by a madd
+// before they could overflow, leaving the 8 rows' sums in the 8 int32 lanes. Scales (and q4
+// offsets) are fp16 [tiles, nb, 8] (q6: [tiles, nb, 2, 8]), one 16-byte load per block (and
+// half). Each output accumulates block by block (q6: half block by half block):
+// acc = fma(s * dx, sum, acc), then acc = fma(o, sx, acc) (q5: o = -16 s, q6: o = -32 s, sx of
+// the half). Unpacking is shared by all activation rows of a pass. With scales (and offsets) a
+// weight costs 5 bits (q4), 5.5 (q5) or 7 (q6), and rows need no padding along K.
 //
 // q8 goes row by row: per group of 8 blocks the 8 integer sums are gathered into one vector by
 // unpacks and adds (exact), then one cvt + fma with the 8 block scales s * dx. Activation rows are
@@ -50,7 +54,7 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int MC = 8;  // activation rows sharing one pass over a weight row
-constexpr int FMT_Q4 = 1, FMT_Q8 = 2, FMT_Q5 = 3;
+constexpr int FMT_Q4 = 1, FMT_Q8 = 2, FMT_Q5 = 3, FMT_Q6 = 4;
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -79,23 +83,35 @@ inline float dot_f32(const float* a, const float* b, int n) {
 }
 
 // Quantised activations as the kernels read them: xq [M, nbp * 32], dx and sx [M, nbp], nbp = blocks
-// rounded up to a whole group of 8, zero padded.
+// rounded up to a whole group of 8, zero padded; for q6 also sx16 [M, nbp, 2] = dx * sum(xq) per
+// half block (q6 has a scale per 16 weights).
 struct QActs {
     int8_t* xq;
     float* dx;
     float* sx;
+    float* sx16;
     int nbp;
 };
 
-QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K) {
+QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K, bool halves) {
     const int nb = K / QK, nbp = (nb + 7) / 8 * 8;
     QActs a{static_cast<int8_t*>(calloc(static_cast<size_t>(M) * nbp * QK, 1)),
             static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))),
-            static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))), nbp};
+            static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))),
+            halves ? static_cast<float*>(calloc(static_cast<size_t>(M) * nbp * 2, sizeof(float))) : nullptr, nbp};
     for (int m = 0; m < M; ++m) {
         memcpy(a.xq + static_cast<size_t>(m) * nbp * QK, xq + static_cast<size_t>(m) * K, static_cast<size_t>(K));
         memcpy(a.dx + static_cast<size_t>(m) * nbp, dx + static_cast<size_t>(m) * nb, sizeof(float) * nb);
         memcpy(a.sx + static_cast<size_t>(m) * nbp, sx + static_cast<size_t>(m) * nb, sizeof(float) * nb);
+        if (halves)
+            for (int b = 0; b < nb; ++b)
+                for (int h = 0; h < 2; ++h) {
+                    const int8_t* x = xq + static_cast<size_t>(m) * K + b * QK + 16 * h;
+                    int sum = 0;
+                    for (int j = 0; j < 16; ++j) sum += x[j];
+                    const size_t at = static_cast<size_t>(m) * nbp + b;
+                    a.sx16[2 * at + h] = a.dx[at] * static_cast<float>(sum);
+                }
     }
     return a;
 }
@@ -104,6 +120,7 @@ void free_acts(QActs& a) {
     free(a.xq);
     free(a.dx);
     free(a.sx);
+    free(a.sx16);
 }
 
 // 8 fp16 scales from `src` (only `cnt` exist; the rest read as 0) as fp32.
@@ -159,77 +176,93 @@ inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
 
-// Rows n0..n0+7 (one tile: codes w [nb, BLOCK_BYTES], fp16 scales sc and q4 offsets oc [nb, 8])
-// against R activation rows from `a` (starting at row m0): out[i * 8 + r] = y[m0 + i, n0 + r].
-// `pf`: prefetch this many bytes ahead in the weight stream (0: none); tiles are contiguous, so a
-// pass reading ahead also warms the next tile.
+// Rows n0..n0+7 (one tile: codes w [nb, block_bytes], fp16 scales sc [nb, parts, 8] and q4 offsets
+// oc [nb, 8]) against R activation rows from `a` (starting at row m0): out[i * 8 + r] =
+// y[m0 + i, n0 + r]. `pf`: prefetch this many bytes ahead in the weight stream (0: none); tiles are
+// contiguous, so a pass reading ahead also warms the next tile.
 template <int FMT, int R>
 inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
                      float* out, int pf) {
-    constexpr int block_bytes = FMT == FMT_Q4 ? 128 : 160;
+    constexpr int block_bytes = FMT == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : 192;
+    constexpr int parts = FMT == FMT_Q6 ? 2 : 1;  // scales per block (q6: one per 16 weights)
+    constexpr int chunks = 4 / parts;            // chunks of 8 weights per scale
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i high_mask = _mm256_set1_epi8(FMT == FMT_Q6 ? 0x30 : 0x10);
     for (int b = 0; b < nb; ++b) {
         const uint8_t* wb = w + static_cast<size_t>(b) * block_bytes;
         if (pf != 0) {
             for (int q = 0; q < block_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(wb) + pf + q, _MM_HINT_T0);
-            if (b % 4 == 0) {  // 16 bytes of scales per block: one line per 4 blocks
-                _mm_prefetch(reinterpret_cast<const char*>(sc + b * 8) + pf / 8, _MM_HINT_T0);
+            if (b % 4 == 0) {  // 16 bytes of scales per block and part: a line per part and 4 blocks
+                for (int q = 0; q < parts; ++q)
+                    _mm_prefetch(reinterpret_cast<const char*>(sc + b * parts * 8) + pf / 8 + 64 * q, _MM_HINT_T0);
                 if (FMT == FMT_Q4) _mm_prefetch(reinterpret_cast<const char*>(oc + b * 8) + pf / 8, _MM_HINT_T0);
             }
         }
-        __m256i fifth = _mm256_setzero_si256();
-        if (FMT == FMT_Q5) fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128));
-        // bit v of each plane byte moved to bit 4 by a 16-bit shift: no bit crosses into the other byte's bit 4
+        // High bits of unpacked vector v moved into place (q5: bit 4; q6: bits 4-5) by 16-bit shifts:
+        // no bit crosses into the masked bits of the other byte.
+        __m256i plane[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        if (FMT != FMT_Q4) plane[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128));
+        if (FMT == FMT_Q6) plane[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 160));
         auto high = [&](int v) {
-            return _mm256_and_si256(v <= 4 ? _mm256_slli_epi16(fifth, 4 - v) : _mm256_srli_epi16(fifth, v - 4), bit4);
+            const int from = FMT == FMT_Q5 ? v : 2 * (v % 4);  // the bit (q6: the 2 bits) of vector v
+            const __m256i p = plane[FMT == FMT_Q6 ? v / 4 : 0];
+            const __m256i moved = from <= 4 ? _mm256_slli_epi16(p, 4 - from) : _mm256_srli_epi16(p, from - 4);
+            return _mm256_and_si256(moved, high_mask);
         };
-        __m256i sum16[R], sum32[R];  // int16 lanes 2r, 2r + 1 (int32 lane r) hold row r's partial sums
-        for (int i = 0; i < R; ++i) sum16[i] = sum32[i] = _mm256_setzero_si256();
+        for (int part = 0; part < parts; ++part) {
+            // int16 lanes 2r, 2r + 1 (int32 lane r) hold row r's partial sums; widened to int32 before
+            // they could overflow (q4: after 8 maddubs, 8 * 2 * 15 * 127 < 2^15; q5: after 4,
+            // 4 * 2 * 31 * 127; q6: after 2, 2 * 2 * 63 * 127).
+            __m256i sum16[R], sum32[R];
+            for (int i = 0; i < R; ++i) sum16[i] = sum32[i] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-            __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-            if (FMT == FMT_Q5) {
-                lo = _mm256_or_si256(lo, high(2 * c));
-                hi = _mm256_or_si256(hi, high(2 * c + 1));
-            }
+            for (int cc = 0; cc < chunks; ++cc) {
+                const int c = part * chunks + cc;
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+                __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                if (FMT != FMT_Q4) {
+                    lo = _mm256_or_si256(lo, high(2 * c));
+                    hi = _mm256_or_si256(hi, high(2 * c + 1));
+                }
+                const bool widen = FMT == FMT_Q4 ? c == 3 : FMT == FMT_Q5 ? c % 2 == 1 : true;
 #pragma GCC unroll 4
-            for (int i = 0; i < R; ++i) {
-                const int8_t* x = a.xq + (static_cast<size_t>(m0 + i) * a.nbp + b) * QK + 8 * c;
-                int32_t x_lo, x_hi;  // activations 8c..8c+3 and 8c+4..8c+7
-                memcpy(&x_lo, x, 4);
-                memcpy(&x_hi, x + 4, 4);
-                sum16[i] = _mm256_add_epi16(sum16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x_lo)),
-                                                                       _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x_hi))));
-                if (FMT == FMT_Q5 && c % 2 == 1) {  // q5 widens by halves (int16 holds 4 maddubs of codes < 32)
-                    sum32[i] = _mm256_add_epi32(sum32[i], _mm256_madd_epi16(sum16[i], ones));
-                    sum16[i] = _mm256_setzero_si256();
+                for (int i = 0; i < R; ++i) {
+                    const int8_t* x = a.xq + (static_cast<size_t>(m0 + i) * a.nbp + b) * QK + 8 * c;
+                    int32_t x_lo, x_hi;  // activations 8c..8c+3 and 8c+4..8c+7
+                    memcpy(&x_lo, x, 4);
+                    memcpy(&x_hi, x + 4, 4);
+                    sum16[i] = _mm256_add_epi16(sum16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x_lo)),
+                                                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x_hi))));
+                    if (widen) {
+                        sum32[i] = _mm256_add_epi32(sum32[i], _mm256_madd_epi16(sum16[i], ones));
+                        sum16[i] = _mm256_setzero_si256();
+                    }
                 }
             }
-        }
-        const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 8)));
-        const __m256 o8 = FMT == FMT_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oc + b * 8)))
-                                        : _mm256_mul_ps(s8, _mm256_set1_ps(-16.0f));
+            const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * parts + part) * 8)));
+            const __m256 o8 = FMT == FMT_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oc + b * 8)))
+                                            : _mm256_mul_ps(s8, _mm256_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
 #pragma GCC unroll 4
-        for (int i = 0; i < R; ++i) {
-            const size_t at = static_cast<size_t>(m0 + i) * a.nbp + b;
-            const __m256i isum = FMT == FMT_Q4 ? _mm256_madd_epi16(sum16[i], ones) : sum32[i];
-            const __m256 dots = _mm256_cvtepi32_ps(isum);  // [8 rows]
-            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_set1_ps(a.dx[at])), dots, acc[i]);
-            acc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(a.sx[at]), acc[i]);
+            for (int i = 0; i < R; ++i) {
+                const size_t at = static_cast<size_t>(m0 + i) * a.nbp + b;
+                const float sx = FMT == FMT_Q6 ? a.sx16[2 * at + part] : a.sx[at];
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_set1_ps(a.dx[at])), _mm256_cvtepi32_ps(sum32[i]), acc[i]);
+                acc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(sx), acc[i]);
+            }
         }
     }
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
-// q4, q5: tiles of 8 rows split between threads; up to 4 activation rows per pass over a tile (their
+// q4, q5, q6: tiles of 8 rows split between threads; up to 4 activation rows per pass over a tile (their
 // int16 sums and accumulators stay in registers).
 template <int FMT>
 void tile_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N, int K,
                void* y, int y_bf16, int nthreads) {
-    constexpr int RC = 4, block_bytes = FMT == FMT_Q4 ? 128 : 160;
+    constexpr int RC = 4, block_bytes = FMT == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : 192;
+    constexpr int parts = FMT == FMT_Q6 ? 2 : 1;
     const int nb = K / QK, tiles = (N + 7) / 8;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -239,7 +272,7 @@ void tile_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, 
         alignas(32) float part[RC * 8];
         for (int tile = t0; tile < t1; ++tile) {
             const uint8_t* wt = w + static_cast<size_t>(tile) * nb * block_bytes;
-            const uint16_t* st = scale + static_cast<size_t>(tile) * nb * 8;
+            const uint16_t* st = scale + static_cast<size_t>(tile) * nb * parts * 8;
             const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
             const int rows = N - 8 * tile < 8 ? N - 8 * tile : 8;
             for (int m0 = 0; m0 < M; m0 += RC) {
@@ -493,8 +526,8 @@ void ssd_quantize_rows(const void* x, int x_bf16, int M, int K, int8_t* xq, floa
 }
 
 // y [M, N] = x [M, K] @ W^T: quantise x's rows (as ssd_quantize_rows), then the block GEMM.
-// x and y share one dtype (bf16 when bf16, else fp32). fmt: 1 q4 (tiles, with offsets), 2 q8, 3 q5
-// (offset nullptr); see the top of this file.
+// x and y share one dtype (bf16 when bf16, else fp32). fmt: 1 q4 (tiles, with offsets), 2 q8, 3 q5,
+// 4 q6 (offset nullptr); see the top of this file.
 void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint16_t* scale,
                 const uint16_t* offset, int fmt, void* y, int bf16, int nthreads) {
     const size_t nb = static_cast<size_t>(K) / QK;
@@ -502,11 +535,13 @@ void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint
     float* dx = static_cast<float*>(malloc(sizeof(float) * M * nb));
     float* sx = static_cast<float*>(malloc(sizeof(float) * M * nb));
     ssd_quantize_rows(x, bf16, M, K, xq, dx, sx);
-    QActs a = pack_acts(xq, dx, sx, M, K);
+    QActs a = pack_acts(xq, dx, sx, M, K, fmt == FMT_Q6);
     if (fmt == FMT_Q4)
         tile_gemm<FMT_Q4>(w, scale, offset, a, M, N, K, y, bf16, nthreads);
     else if (fmt == FMT_Q5)
         tile_gemm<FMT_Q5>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
+    else if (fmt == FMT_Q6)
+        tile_gemm<FMT_Q6>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
     else
         block_gemm_q8(w, scale, a, M, N, K, y, bf16, nthreads);
     free_acts(a);

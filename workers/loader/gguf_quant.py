@@ -2,7 +2,8 @@
 
 "w4a8" / "w8a8" follow the "int4" / "int8" rules below with the block-quantised layers of
 blockquant.py (int8 activations): Q4_K codes -> W4A8Linear, and with "w4a8" Q5_0 codes ->
-W5A8Linear (kept exactly: w = d * (q - 16)); everything else -> W8A8Linear.
+W5A8Linear (kept exactly: w = d * (q - 16)) and Q6_K codes -> W6A8Linear (w = d * sc * (q - 32),
+d * sc rounded to fp16; lm_head included); everything else -> W8A8Linear.
 
 * "int8": every linear layer (lm_head included) becomes Int8Linear, rounded to nearest from the
   floating-point weights the loader produced.
@@ -14,7 +15,7 @@ W5A8Linear (kept exactly: w = d * (q - 16)); everything else -> W8A8Linear.
 * "int4" from floating-point weights (Hugging Face directories): Int4Linear round-to-nearest
   (groups of 32), lm_head int8.
 
-The Q4_K and Q5_0 codes are cached beside the dequantised weights (`<key>-codes.safetensors`): the
+The Q4_K, Q5_0 and Q6_K codes are cached beside the dequantised weights (`<key>-codes.safetensors`): the
 packed layout the kernel reads depends on the CPU, so the cache holds plain codes and packing
 happens at load time.
 """
@@ -39,11 +40,11 @@ from ssd.workers.loader.gguf_loader import (
 )
 from ssd.workers.models.config import ModelConfig
 from ssd.workers.models.decoder import DecoderModel
-from ssd.workers.models.quant import QUANT_MODES, Int4Linear, q4k_to_affine, q5_0_codes, quantize_model
+from ssd.workers.models.quant import QUANT_MODES, Int4Linear, q4k_to_affine, q5_0_codes, q6k_codes, quantize_model
 
 log = logging.getLogger("ssd.quant")
 
-CODES_CACHE_FORMAT = 2  # 2: Q5_0 codes too
+CODES_CACHE_FORMAT = 3  # 2: Q5_0 codes too; 3: and Q6_K
 
 
 def _linear_names(model: DecoderModel) -> set[str]:
@@ -53,8 +54,9 @@ def _linear_names(model: DecoderModel) -> set[str]:
 def _extract_codes(
     path: Path, cfg: ModelConfig, linear_names: set[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The file's Q4_K linear weights as {name.codes [N, K/2] nibbles, name.scale, name.offset} and its
-    Q5_0 ones as {name.q5codes [N, K] (0..31), name.q5scale}, + the GGUF type of every linear."""
+    """The file's Q4_K linear weights as {name.codes [N, K/2] nibbles, name.scale, name.offset}, its
+    Q5_0 ones as {name.q5codes [N, K] (0..31), name.q5scale} and its Q6_K ones as {name.q6codes
+    [N, K] (0..63), name.q6scale [N, K/16]}, + the GGUF type of every linear."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -70,11 +72,13 @@ def _extract_codes(
         rope_heads = None
         if cfg.arch == "llama" and mod.endswith(("q_proj", "k_proj")):
             rope_heads = cfg.num_attention_heads if mod.endswith("q_proj") else cfg.num_key_value_heads
-        if t.tensor_type == gguf.GGMLQuantizationType.Q5_0:
-            q5codes, q5scale = q5_0_codes(torch.from_numpy(t.data.copy()), n, k)
+        exact = {gguf.GGMLQuantizationType.Q5_0: ("q5", q5_0_codes), gguf.GGMLQuantizationType.Q6_K: ("q6", q6k_codes)}
+        if t.tensor_type in exact:
+            kind, extract = exact[t.tensor_type]
+            codes, scale = extract(torch.from_numpy(t.data.copy()), n, k)
             if rope_heads is not None:
-                q5codes, q5scale = (unpermute_rope(x, rope_heads) for x in (q5codes, q5scale))
-            tensors[f"{mod}.q5codes"], tensors[f"{mod}.q5scale"] = q5codes.contiguous(), q5scale.contiguous()
+                codes, scale = (unpermute_rope(x, rope_heads) for x in (codes, scale))
+            tensors[f"{mod}.{kind}codes"], tensors[f"{mod}.{kind}scale"] = codes.contiguous(), scale.contiguous()
             continue
         if t.tensor_type != gguf.GGMLQuantizationType.Q4_K:
             continue
@@ -94,10 +98,11 @@ def load_gguf_codes(
     path: str | Path, cfg: ModelConfig, linear_names: set[str], cache_dir: str | Path | None
 ) -> tuple[
     dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]],
-    dict[str, str],
+    dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str],
 ]:
     """{linear: (codes [N, K] uint8, scale, offset [N, K/32] fp32)} for Q4_K weights, {linear: (codes
-    [N, K] 0..31, scale fp16 [N, K/32])} for Q5_0 weights, + GGUF types."""
+    [N, K] 0..31, scale fp16 [N, K/32])} for Q5_0 weights, {linear: (codes [N, K] 0..63, scale fp16
+    [N, K/16])} for Q6_K weights, + GGUF types."""
     path = Path(path)
     cdir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cdir.mkdir(parents=True, exist_ok=True)
@@ -115,15 +120,18 @@ def load_gguf_codes(
         _atomic_write(data_file, lambda p: save_file(tensors, str(p)))
         meta = {"format": CODES_CACHE_FORMAT, "types": types}
         _atomic_write(meta_file, lambda p: p.write_text(json.dumps(meta)))
-    out, q5 = {}, {}
+    out, q5, q6 = {}, {}, {}
     for mod in {k.rsplit(".", 1)[0] for k in tensors}:
         if f"{mod}.q5codes" in tensors:
             q5[mod] = (tensors[f"{mod}.q5codes"], tensors[f"{mod}.q5scale"])
             continue
+        if f"{mod}.q6codes" in tensors:
+            q6[mod] = (tensors[f"{mod}.q6codes"], tensors[f"{mod}.q6scale"])
+            continue
         packed = tensors[f"{mod}.codes"]
         codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
         out[mod] = (codes, tensors[f"{mod}.scale"], tensors[f"{mod}.offset"])
-    return out, q5, types
+    return out, q5, q6, types
 
 
 def quantize_loaded(
@@ -138,14 +146,17 @@ def quantize_loaded(
     if mode not in ("int4", "w4a8") or path.suffix != ".gguf" or model.embed_tokens.weight.device.type != "cpu":
         return quantize_model(model, mode)
     names = _linear_names(model)
-    q4k, q5_0, types = load_gguf_codes(path, model.config, names, cache_dir)
+    q4k, q5_0, q6_k, types = load_gguf_codes(path, model.config, names, cache_dir)
     affine: dict[str, Any] = {n: v for n, v in q4k.items() if n != "lm_head"}
-    # Q5_0 stays 5-bit exactly (W5A8Linear) in the block mode; the weight-only int4 mode has no such kernel.
+    # Q5_0 and Q6_K keep their codes (W5A8Linear, W6A8Linear) in the block mode; the weight-only int4
+    # mode has no such kernels. A Q6_K head keeps its 6 bits: no fewer than the file has.
     q5 = {n: v for n, v in q5_0.items() if n != "lm_head"} if mode == "w4a8" else {}
+    q6 = q6_k if mode == "w4a8" else {}
     eight = "int8" if mode == "int4" else "w8a8"
-    overrides = {n: eight for n in names if n not in affine and n not in q5}  # more bits in the file: keep 8
+    overrides = {n: eight for n in names if n not in affine and n not in q5 and n not in q6}  # more bits: keep 8
     log.info(
-        "%s: %s from Q4_K for %d linear layers, q5 from Q5_0 for %d, %s for %d (%s)", path.name, mode, len(affine),
-        len(q5), eight, len(overrides), ", ".join(sorted({types.get(n, "?") for n in overrides})),
+        "%s: %s from Q4_K for %d linear layers, q5 from Q5_0 for %d, q6 from Q6_K for %d, %s for %d (%s)", path.name,
+        mode, len(affine), len(q5), len(q6), eight, len(overrides),
+        ", ".join(sorted({types.get(n, "?") for n in overrides})),
     )
-    return quantize_model(model, mode, affine_int4=affine, q5=q5, overrides=overrides)
+    return quantize_model(model, mode, affine_int4=affine, q5=q5, q6=q6, overrides=overrides)

@@ -5,7 +5,11 @@
   fp16).
 * `W8A8Linear`: w = scale * q per block of 32, q in -127..127, fp16 scale (8.5 bits per weight).
 * `W5A8Linear`: w = scale * (q - 16) per block of 32, q in 0..31, fp16 scale: GGUF Q5_0 exactly,
-  at 5.5 bits per weight; unsigned codes below 64 let the kernel take two blocks per multiply-add.
+  at 5.5 bits per weight.
+* `W6A8Linear`: w = scale * (q - 32) per 16 weights, q in 0..63, fp16 scale: GGUF Q6_K up to the
+  fp16 rounding of d * sc, at 7 bits per weight.
+
+W4A8, W5A8 and W6A8 interleave 8 weight rows (tiles), so one multiply-add covers all of them.
 
 Activations are quantised per row and block of 32 to int8 (dx = absmax / 127) inside the kernel,
 as llama.cpp does for its Q4/Q8 dot products, so every block product is an exact integer sum. That
@@ -49,15 +53,15 @@ def _nudge_fp16(h: torch.Tensor, ok: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(ok, h, torch.nextafter(h, step))
 
 
-def _round_symmetric(weight: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round to nearest per block of 32: scale = absmax / qmax rounded up to fp16 (so no code clamps),
-    q = round(w / scale) in -qmax..qmax (int8 [N, K]); + scale fp16 [N, K/32]."""
+def _round_symmetric(weight: torch.Tensor, qmax: int, block: int = QK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest per block: scale = absmax / qmax rounded up to fp16 (so no code clamps),
+    q = round(w / scale) in -qmax..qmax (int8 [N, K]); + scale fp16 [N, K/block]."""
     weight = weight.detach()
     n, k = weight.shape
     q = torch.empty(n, k, dtype=torch.int8)
-    scale = torch.empty(n, k // QK, dtype=torch.float16)
+    scale = torch.empty(n, k // block, dtype=torch.float16)
     for r in range(0, n, _ROWS):  # row blocks: fp32 temporaries stay in cache
-        g = weight[r : r + _ROWS].to(torch.float32, copy=True).view(-1, k // QK, QK)
+        g = weight[r : r + _ROWS].to(torch.float32, copy=True).view(-1, k // block, block)
         amax = g.abs().amax(dim=-1)
         s = (amax / qmax).half()
         s = _nudge_fp16(s, qmax * s.float() >= amax, up=True)
@@ -109,7 +113,8 @@ class _BlockLinear(_QuantLinear):
 
 class _TiledLinear(_BlockLinear):
     """Codes in tiles of 8 rows (N zero-padded to whole tiles): `qweight` uint8 [tiles, K/32 * BLOCK_BYTES],
-    `scale_bits` int16 [tiles, K/32, 8] (a block's 8 rows side by side), as qgemm.cpp reads them.
+    `scale_bits` int16 [tiles, S, 8] (S scales per row; a scale's 8 rows side by side), as qgemm.cpp
+    reads them.
 
     Per tile and block: 128 bytes of nibbles in 4 chunks of 32; chunk c holds for row r at bytes
     4r + j (j = 0..3) q[r][8c + j] | q[r][8c + 4 + j] << 4, so an unpacked chunk is two vectors:
@@ -129,18 +134,18 @@ class _TiledLinear(_BlockLinear):
 
     @classmethod
     def _tiled(cls, t: torch.Tensor) -> torch.Tensor:
-        """[N, nb] -> [tiles, nb, 8]: rows zero-padded to whole tiles, a tile's 8 rows side by side."""
-        n, nb = t.shape
-        padded = torch.zeros(-(-n // cls.TILE) * cls.TILE, nb, dtype=t.dtype)
+        """[N, S] -> [tiles, S, 8]: rows zero-padded to whole tiles, a tile's 8 rows side by side."""
+        n, per_row = t.shape
+        padded = torch.zeros(-(-n // cls.TILE) * cls.TILE, per_row, dtype=t.dtype)
         padded[:n] = t
-        return padded.view(-1, cls.TILE, nb).transpose(1, 2).contiguous()
+        return padded.view(-1, cls.TILE, per_row).transpose(1, 2).contiguous()
 
-    def _untiled(self, bits: torch.Tensor) -> torch.Tensor:  # [tiles, nb, 8] int16 -> fp16 [N, nb]
-        rows = bits.view(torch.float16).transpose(1, 2).reshape(-1, self.in_features // QK)
+    def _untiled(self, bits: torch.Tensor) -> torch.Tensor:  # [tiles, S, 8] int16 -> fp16 [N, S]
+        rows = bits.view(torch.float16).transpose(1, 2).reshape(-1, bits.shape[1])
         return rows[: self.out_features]
 
     @property
-    def scale(self) -> torch.Tensor:  # fp16 [N, K/32]
+    def scale(self) -> torch.Tensor:  # fp16 [N, K/32] (q6: [N, K/16])
         return self._untiled(self.scale_bits)
 
     @classmethod
@@ -159,6 +164,29 @@ class _TiledLinear(_BlockLinear):
         b = g.reshape(g.shape[0], g.shape[1], 4, 1, 32)
         return torch.cat([b & 0x0F, b >> 4], dim=3).reshape(g.shape[0], g.shape[1], 8, 32)
 
+    @classmethod
+    def _with_planes(cls, codes: torch.Tensor, bits: int) -> torch.Tensor:
+        """codes [N, K] -> [tiles, K/32 * (128 + 32 bits)]: the nibbles, then the `bits` high bits of
+        each code (4, 5, ...) in 32-byte planes: bits b*(v % vpp) .. of byte i of plane v // vpp
+        (vpp = 8 // bits vectors per plane) are the high bits of byte i of unpacked vector v."""
+        n, k = codes.shape
+        c = torch.zeros(-(-n // cls.TILE) * cls.TILE, k, dtype=torch.uint8)
+        c[:n] = codes
+        vec = c.view(-1, cls.TILE, k // QK, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [tile, block, chunk, nibble, row, j]
+        high = (vec.reshape(-1, k // QK, 8, QK) >> 4).to(torch.int32)  # [tile, block, v, 32]
+        vpp = 8 // bits
+        shift = (bits * (torch.arange(8, dtype=torch.int32) % vpp))[:, None]
+        planes = (high << shift).view(high.shape[0], k // QK, bits, vpp, QK).sum(dim=3).to(torch.uint8)
+        return torch.cat([cls._nibble_chunks(c), planes.flatten(2)], dim=2).reshape(-1, k // QK * (128 + 32 * bits))
+
+    def _codes_with_planes(self, bits: int) -> torch.Tensor:
+        g = self.qweight.view(-1, self.in_features // QK, self.BLOCK_BYTES)
+        planes = g[:, :, 4 * QK :].to(torch.int32).view(g.shape[0], g.shape[1], bits, 1, QK)
+        vpp = 8 // bits
+        shift = (bits * torch.arange(vpp, dtype=torch.int32))[:, None]
+        high = ((planes >> shift) & ((1 << bits) - 1)).view(g.shape[0], g.shape[1], 8, QK) << 4  # [tile, block, v, 32]
+        return self._codes_of(self._vectors() | high.to(torch.uint8))
+
     def _codes_of(self, vec: torch.Tensor) -> torch.Tensor:
         """Vectors [tiles, K/32, 8, 32] -> codes [N, K]."""
         n, k = self.out_features, self.in_features
@@ -166,7 +194,7 @@ class _TiledLinear(_BlockLinear):
         return c.permute(0, 4, 1, 2, 3, 5).reshape(-1, k)[:n]
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        offset = self.offset_bits.view(torch.float16) if self.FMT == "q4" else None
+        offset = self.offset_bits.view(torch.float16) if isinstance(self, W4A8Linear) else None
         return qk.linear(x2, self.qweight, self.scale_bits.view(torch.float16), offset, fmt=self.FMT,
                          n=self.out_features)
 
@@ -290,19 +318,10 @@ class W5A8Linear(_TiledLinear):
     def pack(cls, codes: torch.Tensor) -> torch.Tensor:
         """codes [N, K] -> [tiles, K/32 * 160]: per block 128 bytes of nibbles, then 32 bytes whose
         bit v of byte i is bit 4 of byte i of unpacked vector v (v = 2c + nibble, chunk c)."""
-        n, k = codes.shape
-        c = torch.zeros(-(-n // cls.TILE) * cls.TILE, k, dtype=torch.uint8)
-        c[:n] = codes
-        vec = c.view(-1, cls.TILE, k // QK, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [tile, block, chunk, nibble, row, j]
-        fifth = (vec.reshape(-1, k // QK, 8, QK) >> 4).to(torch.int32)  # [tile, block, v, 32]
-        plane = (fifth << torch.arange(8, dtype=torch.int32)[:, None]).sum(dim=2).to(torch.uint8)  # [tile, block, 32]
-        return torch.cat([cls._nibble_chunks(c), plane], dim=2).reshape(-1, k // QK * cls.BLOCK_BYTES).contiguous()
+        return cls._with_planes(codes, 1).contiguous()
 
     def codes(self) -> torch.Tensor:
-        g = self.qweight.view(-1, self.in_features // QK, self.BLOCK_BYTES)
-        plane = g[:, :, 4 * QK :].to(torch.int32)[:, :, None]  # [tile, block, 1, 32]
-        high = ((plane >> torch.arange(8, dtype=torch.int32)[:, None]) & 1) << 4  # [tile, block, v, 32]
-        return self._codes_of(self._vectors() | high.to(torch.uint8))
+        return self._codes_with_planes(1)
 
     @classmethod
     def from_q5(
@@ -326,6 +345,49 @@ class W5A8Linear(_TiledLinear):
 
 
 
+class W6A8Linear(_TiledLinear):
+    """q6 codes (0..63, w = scale * (q - 32)) with a scale per 16 weights (GGUF Q6_K, up to the fp16
+    rounding of d * sc), in tiles of 8 rows: per tile and block the low 4 bits as W4A8Linear packs
+    them, then 64 bytes of high bits (see `pack`); `scale_bits` [tiles, K/16, 8]."""
+
+    FMT = "q6"
+    BLOCK_BYTES = 192
+    SUB = 16  # weights per scale
+
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+        act_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        """codes [N, K] in 0..63, scale [N, K/16]."""
+        super().__init__()
+        if codes.numel() and int(codes.max()) > 63:
+            raise ValueError("q6 codes must lie in 0..63")
+        if scale.shape != (codes.shape[0], codes.shape[1] // self.SUB):
+            raise ValueError(f"q6 scales {tuple(scale.shape)} do not fit codes {tuple(codes.shape)}: one per 16")
+        self._tiled_buffers(codes, scale, bias, act_dtype)
+
+    @classmethod
+    def pack(cls, codes: torch.Tensor) -> torch.Tensor:
+        """codes [N, K] -> [tiles, K/32 * 192]: per block 128 bytes of nibbles, then two 32-byte planes:
+        bits 2(v % 4), 2(v % 4) + 1 of byte i of plane v // 4 = bits 4, 5 of byte i of vector v."""
+        return cls._with_planes(codes, 2).contiguous()
+
+    def codes(self) -> torch.Tensor:
+        return self._codes_with_planes(2)
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
+    ) -> W6A8Linear:
+        """Round to nearest, symmetric per 16 weights: scale = absmax / 31 rounded up to fp16, codes 1..63."""
+        q, scale = _round_symmetric(weight, 31, cls.SUB)
+        return cls((q + 32).to(torch.uint8), scale, bias, act_dtype or weight.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        q = self.codes().float().view(self.out_features, -1, self.SUB) - 32.0
+        return (q * self.scale.float()[..., None]).view(self.out_features, self.in_features)
+
+
 def concat_block_linears(mods: list[_BlockLinear]) -> _BlockLinear | None:
     """One layer computing the given layers side by side (rows concatenated), or None if they differ in kind."""
     first = mods[0]
@@ -339,6 +401,6 @@ def concat_block_linears(mods: list[_BlockLinear]) -> _BlockLinear | None:
     if isinstance(first, W4A8Linear):
         codes = torch.cat([m.codes() for m in mods])  # tiles would straddle parts: repack from codes
         return W4A8Linear(codes, cat("scale"), cat("offset"), bias, dtype or torch.bfloat16)
-    if isinstance(first, W5A8Linear):
-        return W5A8Linear(torch.cat([m.codes() for m in mods]), cat("scale"), bias, dtype or torch.bfloat16)
+    if isinstance(first, (W5A8Linear, W6A8Linear)):
+        return type(first)(torch.cat([m.codes() for m in mods]), cat("scale"), bias, dtype or torch.bfloat16)
     return W8A8Linear(cat("qweight"), cat("scale"), bias, dtype or torch.bfloat16)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ssd.kernels import cpu as cpu_kernels
-from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W8A8Linear
+from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
 from ssd.workers.models.dense import DenseLinear
 
 _REST = (("o", "self_attn", "o_proj"), ("gate_up", "mlp", "gate_up_proj"), ("down", "mlp", "down_proj"))
@@ -43,6 +43,8 @@ def _linear_kind(mod: nn.Module | None) -> int | None:
         return 2
     if isinstance(mod, W5A8Linear):
         return 3
+    if isinstance(mod, W6A8Linear):
+        return 4
     return None
 
 

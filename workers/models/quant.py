@@ -322,6 +322,28 @@ def q5_0_codes(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torc
     return codes.reshape(n, k), scale
 
 
+def q6k_codes(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw GGUF Q6_K bytes (n * k / 256 blocks of 210) -> codes [n, k] uint8 (0..63), scale fp16 [n, k/16].
+
+    A Q6_K super-block of 256 weights holds 128 bytes of low nibbles (ql), 64 bytes of 2-bit high
+    parts (qh), 16 int8 scales (one per 16 weights) and fp16 d; weight = d * sc * (q - 32), as in
+    gguf.quants.Q6_K.dequantize_blocks. Per half of 128 weights, weight 32i + l (i = 0..3, l =
+    0..31) takes the low or high nibble (i >= 2) of ql[l + 32 (i % 2)] and bits 2i, 2i + 1 of qh[l].
+    scale = d * sc is exact in fp32 and rounded to fp16 here.
+    """
+    b = blocks.view(torch.uint8).reshape(-1, 210)
+    if b.shape[0] * 256 != n * k:
+        raise ValueError(f"Q6_K data holds {b.shape[0] * 256} weights, expected {n}x{k}")
+    ql = b[:, :128].reshape(-1, 2, 2, 32)  # [blocks, half, i % 2, l]
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)  # [blocks, half, 1, l]
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2)  # [blocks, half, i, l]
+    high = (qh >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 4, 1)) & 3
+    codes = (low | (high << 4)).reshape(n, k)
+    sc = b[:, 192:208].contiguous().view(torch.int8).float()  # [blocks, 16]
+    d = b[:, 208:210].contiguous().view(torch.float16).float()  # [blocks, 1]
+    return codes, (d * sc).half().reshape(n, k // 16)
+
+
 # -- whole models ---------------------------------------------------------------------------------
 
 
@@ -365,6 +387,7 @@ def quantize_model(
     overrides: dict[str, str] | None = None,
     affine_int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     q5: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    q6: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     fuse: bool = True,
 ) -> nn.Module:
     """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear (round to nearest).
@@ -378,7 +401,9 @@ def quantize_model(
     `affine_int4`: {module name: (codes [N, K] 0..15, scale, offset [N, K/32])} used as they are
     (w = scale * q + offset, e.g. GGUF Q4_K) instead of rounding the float weights. `q5`: {module
     name: (codes [N, K] 0..31, scale [N, K/32])}, w = scale * (q - 16) (GGUF Q5_0), kept exactly as
-    W5A8Linear where the layer's mode is "w4a8". `fuse`: merge
+    W5A8Linear where the layer's mode is "w4a8". `q6`: likewise {module name: (codes [N, K] 0..63,
+    scale [N, K/16])}, w = scale * (q - 32) (GGUF Q6_K), kept as W6A8Linear where the layer's mode
+    is "w4a8" or "w8a8". `fuse`: merge
     q/k/v and gate/up into one layer each where they end up the same kind (fuse_projections).
     Sets `model.batch_invariant` when every linear ends up quantised. Per-layer relative Frobenius
     errors are logged at DEBUG. On CUDA, when this torch lacks a kernel the model stays in floating
@@ -388,7 +413,7 @@ def quantize_model(
         return model
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization {mode!r}; use None or one of {', '.join(QUANT_MODES)}")
-    overrides, affine_int4, q5 = overrides or {}, affine_int4 or {}, q5 or {}
+    overrides, affine_int4, q5, q6 = overrides or {}, affine_int4 or {}, q5 or {}, q6 or {}
     if head == "default":
         head = DEFAULT_HEAD[mode]
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -447,6 +472,13 @@ def quantize_model(
             if tuple(codes.shape) != tuple(weight.shape):
                 raise ValueError(f"{name}: q5 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
             q = W5A8Linear.from_q5(codes, scale, lin.bias, dtype)
+        elif lmode in BLOCK_MODES and name in q6:
+            from ssd.workers.models.blockquant import W6A8Linear
+
+            codes, scale = q6[name]
+            if tuple(codes.shape) != tuple(weight.shape):
+                raise ValueError(f"{name}: q6 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
+            q = W6A8Linear(codes, scale, lin.bias, dtype)
         else:
             q = make_quant_linear(lmode, weight, lin.bias, dtype)
         if debug:
