@@ -107,13 +107,17 @@ def test_q4k_codes_kept_and_weights_up_to_fp16_scales():
     assert ((lin.dequantize() - want).abs() <= bound * 1.001 + 1e-7).all()
 
 
-def random_q5_0_blocks(n_blocks: int, seed: int) -> np.ndarray:
-    """Valid Q5_0 blocks: a finite fp16 d, random high bits and nibbles."""
+def random_blocks(n_blocks: int, size: int, d_at: int, d_max: float, seed: int) -> np.ndarray:
+    """Valid GGUF blocks of `size` bytes: random bytes, but a finite fp16 d (|d| <= d_max) at byte d_at."""
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n_blocks, 22), dtype=np.uint8)
-    d = rng.uniform(1e-4, 3e-3, n_blocks) * rng.choice([-1, 1], n_blocks)
-    blocks[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    blocks = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    d = rng.uniform(d_max / 30, d_max, n_blocks) * rng.choice([-1, 1], n_blocks)
+    blocks[:, d_at : d_at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks
+
+
+def random_q5_0_blocks(n_blocks: int, seed: int) -> np.ndarray:
+    return random_blocks(n_blocks, 22, 0, 3e-3, seed)  # fp16 d, high bits, nibbles
 
 
 @pytest.mark.parametrize("k", [512, 288])  # 288: an odd number of blocks (the last pair half empty)
@@ -134,24 +138,31 @@ def test_q5_0_codes_kept_exactly(k):
     torch.testing.assert_close(lin(x), lin.ref_forward(x), rtol=1e-5, atol=1e-5 * lin.ref_forward(x).abs().max().item())
 
 
-def test_q5_pack_layout():
+@pytest.mark.parametrize("cls,bits", [(W5A8Linear, 1), (W6A8Linear, 2)])
+def test_high_bit_pack_layout(cls, bits):
     # 11 rows (a whole tile of 8 and a zero-padded one of 3), 2 blocks
-    codes = torch.randint(0, 32, (11, 64), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
-    packed = W5A8Linear.pack(codes)
-    assert packed.shape == (2, 2 * 160)
-    block = packed[0, 160:320]  # tile 0, block 1
+    codes = torch.randint(0, 16 << bits, (11, 64), generator=torch.Generator().manual_seed(bits)).to(torch.uint8)
+    packed = cls.pack(codes)
+    size = 128 + 32 * bits
+    assert packed.shape == (2, 2 * size)
+    block = packed[0, size : 2 * size]  # tile 0, block 1
     # the low 4 bits as W4A8 packs them
     assert torch.equal(block[:128], W4A8Linear.pack(codes[:8, 32:64] & 0x0F)[0])
-    # fifth bits: bit v of byte 4r + j = bit 4 of q[r][8c + 4h + j], v = 2c + h
+    # then planes: bits b(v % vpp) .. of byte 4r + j of plane v // vpp are the high bits of
+    # q[r][8c + 4h + j], v = 2c + h (vpp = 8 / b vectors per plane)
+    vpp = 8 // bits
     for v in range(8):
         c, h = divmod(v, 2)
         vec = codes[:8, 32 + 8 * c + 4 * h : 32 + 8 * c + 4 * h + 4].reshape(32)  # [row, j]
-        assert torch.equal((block[128:] >> v) & 1, vec >> 4)
-    assert (packed[1].view(2, 160)[:, :128].view(2, 4, 8, 4)[:, :, 3:] == 0).all()  # padding rows
-    lin = W5A8Linear(codes, torch.ones(11, 2), None)
-    assert torch.equal(lin.codes(), codes)
-    with pytest.raises(ValueError, match="0..31"):
-        W5A8Linear.from_q5(torch.full((1, 32), 32, dtype=torch.uint8), torch.ones(1, 1), None)
+        plane = block[128 + 32 * (v // vpp) : 160 + 32 * (v // vpp)]
+        assert torch.equal((plane >> (bits * (v % vpp))) & ((1 << bits) - 1), vec >> 4)
+    assert (packed[1].view(2, size)[:, :128].reshape(2, 4, 8, 4)[:, :, 3:] == 0).all()  # padding rows
+    lin = cls(codes, torch.ones(11, 64 // cls.SUB), None)
+    assert torch.equal(lin.codes(), codes) and lin.scale_bits.shape == (2, 64 // cls.SUB, 8)
+    with pytest.raises(ValueError, match=f"0..{cls.CODE_MAX}"):
+        cls(torch.full((1, 32), cls.CODE_MAX + 1, dtype=torch.uint8), torch.ones(1, 32 // cls.SUB), None)
+    with pytest.raises(ValueError, match=f"one per {cls.SUB}"):
+        cls(codes, torch.ones(11, 1), None)
 
 
 def test_pack_layout():
@@ -170,6 +181,8 @@ def test_pack_layout():
     assert torch.equal(lin.scale, scale.half()) and torch.equal(lin.offset, offset.half())
     assert torch.equal(lin.scale_bits.view(torch.float16)[0, 1], scale[:8, 1].half())  # a block's 8 rows side by side
     assert lin.scale_bits.shape == (2, 2, 8) and (lin.offset_bits[1, :, 3:] == 0).all()
+    with pytest.raises(ValueError, match="one per 32"):
+        W4A8Linear(codes, torch.ones(11, 4), torch.ones(11, 4), None)
 
 
 @pytest.mark.parametrize("cls", [W4A8Linear, W5A8Linear, W6A8Linear])
@@ -268,12 +281,7 @@ def test_tiles_largest_codes_do_not_overflow_int16(cls, top):
 
 
 def random_q6k_blocks(n_blocks: int, seed: int) -> np.ndarray:
-    """Valid Q6_K super-blocks: random code and scale bytes, a finite fp16 d."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n_blocks, 210), dtype=np.uint8)
-    d = rng.uniform(1e-5, 3e-4, n_blocks) * rng.choice([-1, 1], n_blocks)
-    blocks[:, 208:210] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return blocks
+    return random_blocks(n_blocks, 210, 208, 3e-4, seed)  # codes, int8 scales, then fp16 d
 
 
 def check_q6k_codes(blocks: np.ndarray, n: int, k: int) -> W6A8Linear:
@@ -301,25 +309,6 @@ def test_q6k_codes_kept_and_weights_up_to_fp16_scales():
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(6))
     ref = lin.ref_forward(x)
     torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-
-
-def test_q6_pack_layout():
-    codes = torch.randint(0, 64, (11, 64), generator=torch.Generator().manual_seed(2)).to(torch.uint8)
-    packed = W6A8Linear.pack(codes)
-    assert packed.shape == (2, 2 * 192)
-    block = packed[0, 192:384]  # tile 0, block 1
-    assert torch.equal(block[:128], W4A8Linear.pack(codes[:8, 32:64] & 0x0F)[0])
-    for v in range(8):  # bits 2(v % 4), +1 of plane v // 4 = bits 4, 5 of vector v
-        c, h = divmod(v, 2)
-        vec = codes[:8, 32 + 8 * c + 4 * h : 32 + 8 * c + 4 * h + 4].reshape(32)  # [row, j]
-        plane = block[128 + 32 * (v // 4) : 160 + 32 * (v // 4)]
-        assert torch.equal((plane >> (2 * (v % 4))) & 3, vec >> 4)
-    lin = W6A8Linear(codes, torch.ones(11, 4), None)
-    assert torch.equal(lin.codes(), codes) and lin.scale_bits.shape == (2, 4, 8)
-    with pytest.raises(ValueError, match="0..63"):
-        W6A8Linear(torch.full((1, 32), 64, dtype=torch.uint8), torch.ones(1, 2), None)
-    with pytest.raises(ValueError, match="one per 16"):
-        W6A8Linear(codes, torch.ones(11, 2), None)
 
 
 @pytest.mark.real_model

@@ -124,9 +124,20 @@ class _TiledLinear(_BlockLinear):
     TILE = 8  # weight rows interleaved so one multiply-add covers all of them (qgemm.cpp)
     BLOCK_BYTES = 128
     FMT = ""
+    CODE_MAX = 15
+    SUB = QK  # weights per scale
 
-    def _tiled_buffers(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                       act_dtype: torch.dtype) -> None:
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+        act_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        """codes [N, K] in 0..CODE_MAX, scale [N, K/SUB]."""
+        super().__init__()
+        if codes.numel() and int(codes.max()) > self.CODE_MAX:
+            raise ValueError(f"{self.FMT} codes must lie in 0..{self.CODE_MAX}")
+        if scale.shape != (codes.shape[0], codes.shape[1] // self.SUB):
+            raise ValueError(f"{self.FMT} scales {tuple(scale.shape)} do not fit codes {tuple(codes.shape)}: "
+                             f"one per {self.SUB}")
         n, k = codes.shape
         self._setup(n, k, bias, act_dtype)
         self.register_buffer("qweight", self.pack(codes))
@@ -210,8 +221,7 @@ class W4A8Linear(_TiledLinear):
         act_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         """codes [N, K] in 0..15, scale and offset [N, K/32]; codes kept as given."""
-        super().__init__()
-        self._tiled_buffers(codes, scale, bias, act_dtype)
+        super().__init__(codes, scale, bias, act_dtype)
         self.register_buffer("offset_bits", self._tiled(_fp16(offset)).view(torch.int16))
 
     @property
@@ -303,16 +313,7 @@ class W5A8Linear(_TiledLinear):
 
     FMT = "q5"
     BLOCK_BYTES = 160
-
-    def __init__(
-        self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-        act_dtype: torch.dtype = torch.bfloat16,
-    ) -> None:
-        """codes [N, K] in 0..31, scale [N, K/32]."""
-        super().__init__()
-        if codes.numel() and int(codes.max()) > 31:
-            raise ValueError("q5 codes must lie in 0..31")
-        self._tiled_buffers(codes, scale, bias, act_dtype)
+    CODE_MAX = 31
 
     @classmethod
     def pack(cls, codes: torch.Tensor) -> torch.Tensor:
@@ -352,19 +353,8 @@ class W6A8Linear(_TiledLinear):
 
     FMT = "q6"
     BLOCK_BYTES = 192
-    SUB = 16  # weights per scale
-
-    def __init__(
-        self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-        act_dtype: torch.dtype = torch.bfloat16,
-    ) -> None:
-        """codes [N, K] in 0..63, scale [N, K/16]."""
-        super().__init__()
-        if codes.numel() and int(codes.max()) > 63:
-            raise ValueError("q6 codes must lie in 0..63")
-        if scale.shape != (codes.shape[0], codes.shape[1] // self.SUB):
-            raise ValueError(f"q6 scales {tuple(scale.shape)} do not fit codes {tuple(codes.shape)}: one per 16")
-        self._tiled_buffers(codes, scale, bias, act_dtype)
+    CODE_MAX = 63
+    SUB = 16
 
     @classmethod
     def pack(cls, codes: torch.Tensor) -> torch.Tensor:
