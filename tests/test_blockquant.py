@@ -159,8 +159,9 @@ def test_high_bit_pack_layout(cls, bits):
     assert (packed[1].view(2, size)[:, :128].reshape(2, 4, 8, 4)[:, :, 3:] == 0).all()  # padding rows
     lin = cls(codes, torch.ones(11, 64 // cls.SUB), None)
     assert torch.equal(lin.codes(), codes) and lin.scale_bits.shape == (2, 64 // cls.SUB, 8)
-    with pytest.raises(ValueError, match=f"0..{cls.CODE_MAX}"):
-        cls(torch.full((1, 32), cls.CODE_MAX + 1, dtype=torch.uint8), torch.ones(1, 32 // cls.SUB), None)
+    code_max = (16 << bits) - 1
+    with pytest.raises(ValueError, match=f"0..{code_max}"):
+        cls(torch.full((1, 32), code_max + 1, dtype=torch.uint8), torch.ones(1, 32 // cls.SUB), None)
     with pytest.raises(ValueError, match=f"one per {cls.SUB}"):
         cls(codes, torch.ones(11, 1), None)
 

@@ -180,12 +180,17 @@ inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int
 // oc [nb, 8]) against R activation rows from `a` (starting at row m0): out[i * 8 + r] =
 // y[m0 + i, n0 + r]. `pf`: prefetch this many bytes ahead in the weight stream (0: none); tiles are
 // contiguous, so a pass reading ahead also warms the next tile.
+// Bytes per tile and block (nibbles + high-bit planes), and scales per block (q6: one per 16 weights).
+template <int FMT>
+constexpr int TILE_BLOCK_BYTES = FMT == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : 192;
+template <int FMT>
+constexpr int SCALE_PARTS = FMT == FMT_Q6 ? 2 : 1;
+
 template <int FMT, int R>
 inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
                      float* out, int pf) {
-    constexpr int block_bytes = FMT == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : 192;
-    constexpr int parts = FMT == FMT_Q6 ? 2 : 1;  // scales per block (q6: one per 16 weights)
-    constexpr int chunks = 4 / parts;            // chunks of 8 weights per scale
+    constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
+    constexpr int chunks = 4 / parts;  // chunks of 8 weights per scale
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -264,13 +269,11 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, c
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
-// q4, q5, q6: tiles of 8 rows split between threads; up to 4 activation rows per pass over a tile (their
-// int16 sums and accumulators stay in registers).
+// q4, q5, q6: tiles of 8 rows split between threads; up to 4 activation rows per pass over a tile.
 template <int FMT>
 void tile_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N, int K,
                void* y, int y_bf16, int nthreads) {
-    constexpr int RC = 4, block_bytes = FMT == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : 192;
-    constexpr int parts = FMT == FMT_Q6 ? 2 : 1;
+    constexpr int RC = 4, block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
     const int nb = K / QK, tiles = (N + 7) / 8;
 #pragma omp parallel num_threads(nthreads)
     {

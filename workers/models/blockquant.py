@@ -112,29 +112,31 @@ class _BlockLinear(_QuantLinear):
 
 
 class _TiledLinear(_BlockLinear):
-    """Codes in tiles of 8 rows (N zero-padded to whole tiles): `qweight` uint8 [tiles, K/32 * BLOCK_BYTES],
+    """Codes in tiles of 8 rows (N zero-padded to whole tiles): `qweight` uint8 [tiles, K/32 * (128 + 32 HIGH_BITS)],
     `scale_bits` int16 [tiles, S, 8] (S scales per row; a scale's 8 rows side by side), as qgemm.cpp
     reads them.
 
     Per tile and block: 128 bytes of nibbles in 4 chunks of 32; chunk c holds for row r at bytes
     4r + j (j = 0..3) q[r][8c + j] | q[r][8c + 4 + j] << 4, so an unpacked chunk is two vectors:
-    v = 2c (the low nibbles) and v = 2c + 1 (the high ones).
+    v = 2c (the low nibbles) and v = 2c + 1 (the high ones). Codes wider than 4 bits add HIGH_BITS
+    planes of 32 bytes: bits b (v % vpp) .. of byte i of plane v // vpp (vpp = 8 / b vectors per
+    plane) are the high bits of byte i of unpacked vector v.
     """
 
     TILE = 8  # weight rows interleaved so one multiply-add covers all of them (qgemm.cpp)
-    BLOCK_BYTES = 128
     FMT = ""
-    CODE_MAX = 15
+    HIGH_BITS = 0  # code bits above the nibble
     SUB = QK  # weights per scale
 
     def __init__(
         self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
         act_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        """codes [N, K] in 0..CODE_MAX, scale [N, K/SUB]."""
+        """codes [N, K] in 0..2^(4 + HIGH_BITS) - 1, scale [N, K/SUB]."""
         super().__init__()
-        if codes.numel() and int(codes.max()) > self.CODE_MAX:
-            raise ValueError(f"{self.FMT} codes must lie in 0..{self.CODE_MAX}")
+        code_max = (16 << self.HIGH_BITS) - 1
+        if codes.numel() and int(codes.max()) > code_max:
+            raise ValueError(f"{self.FMT} codes must lie in 0..{code_max}")
         if scale.shape != (codes.shape[0], codes.shape[1] // self.SUB):
             raise ValueError(f"{self.FMT} scales {tuple(scale.shape)} do not fit codes {tuple(codes.shape)}: "
                              f"one per {self.SUB}")
@@ -160,53 +162,48 @@ class _TiledLinear(_BlockLinear):
         return self._untiled(self.scale_bits)
 
     @classmethod
-    def _nibble_chunks(cls, codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, K] -> their low 4 bits as [tiles, K/32, 128] bytes (the chunk layout above)."""
-        n, k = codes.shape
-        c = torch.zeros(-(-n // cls.TILE) * cls.TILE, k, dtype=torch.uint8)
-        c[:n] = codes
-        c = c.view(-1, cls.TILE, k // QK, 4, 2, 4) & 0x0F  # [tile, row, block, chunk, nibble, j]
-        packed = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)  # [tile, row, block, chunk, j]
-        return packed.permute(0, 2, 3, 1, 4).reshape(-1, k // QK, 4 * QK)
-
-    def _vectors(self) -> torch.Tensor:
-        """The unpacked vectors [tiles, K/32, 8 (v), 32] of the nibbles (v = 2c + nibble)."""
-        g = self.qweight.view(-1, self.in_features // QK, self.BLOCK_BYTES)[:, :, : 4 * QK]
-        b = g.reshape(g.shape[0], g.shape[1], 4, 1, 32)
-        return torch.cat([b & 0x0F, b >> 4], dim=3).reshape(g.shape[0], g.shape[1], 8, 32)
+    def block_bytes(cls) -> int:
+        return 4 * QK + QK * cls.HIGH_BITS
 
     @classmethod
-    def _with_planes(cls, codes: torch.Tensor, bits: int) -> torch.Tensor:
-        """codes [N, K] -> [tiles, K/32 * (128 + 32 bits)]: the nibbles, then the `bits` high bits of
-        each code (4, 5, ...) in 32-byte planes: bits b*(v % vpp) .. of byte i of plane v // vpp
-        (vpp = 8 // bits vectors per plane) are the high bits of byte i of unpacked vector v."""
+    def pack(cls, codes: torch.Tensor) -> torch.Tensor:
+        """codes [N, K] -> [tiles, K/32 * block_bytes()]: per block the nibbles, then the planes."""
         n, k = codes.shape
         c = torch.zeros(-(-n // cls.TILE) * cls.TILE, k, dtype=torch.uint8)
         c[:n] = codes
         vec = c.view(-1, cls.TILE, k // QK, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [tile, block, chunk, nibble, row, j]
-        high = (vec.reshape(-1, k // QK, 8, QK) >> 4).to(torch.int32)  # [tile, block, v, 32]
-        vpp = 8 // bits
-        shift = (bits * (torch.arange(8, dtype=torch.int32) % vpp))[:, None]
-        planes = (high << shift).view(high.shape[0], k // QK, bits, vpp, QK).sum(dim=3).to(torch.uint8)
-        return torch.cat([cls._nibble_chunks(c), planes.flatten(2)], dim=2).reshape(-1, k // QK * (128 + 32 * bits))
+        vec = vec.reshape(-1, k // QK, 8, QK)  # [tile, block, v = 2 chunk + nibble, 32]
+        low = vec & 0x0F
+        parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).flatten(2)]  # chunk c: v = 2c | v = 2c + 1 << 4
+        bits = cls.HIGH_BITS
+        if bits:
+            vpp = 8 // bits
+            shift = (bits * (torch.arange(8, dtype=torch.int32) % vpp))[:, None]
+            high = (vec >> 4).to(torch.int32) << shift
+            parts.append(high.view(high.shape[0], k // QK, bits, vpp, QK).sum(dim=3).to(torch.uint8).flatten(2))
+        return torch.cat(parts, dim=2).reshape(-1, k // QK * cls.block_bytes()).contiguous()
 
-    def _codes_with_planes(self, bits: int) -> torch.Tensor:
-        g = self.qweight.view(-1, self.in_features // QK, self.BLOCK_BYTES)
-        planes = g[:, :, 4 * QK :].to(torch.int32).view(g.shape[0], g.shape[1], bits, 1, QK)
-        vpp = 8 // bits
-        shift = (bits * torch.arange(vpp, dtype=torch.int32))[:, None]
-        high = ((planes >> shift) & ((1 << bits) - 1)).view(g.shape[0], g.shape[1], 8, QK) << 4  # [tile, block, v, 32]
-        return self._codes_of(self._vectors() | high.to(torch.uint8))
-
-    def _codes_of(self, vec: torch.Tensor) -> torch.Tensor:
-        """Vectors [tiles, K/32, 8, 32] -> codes [N, K]."""
+    def codes(self) -> torch.Tensor:
+        """codes [N, K], unpacked from `qweight`."""
         n, k = self.out_features, self.in_features
+        g = self.qweight.view(-1, k // QK, self.block_bytes())
+        b = g[:, :, : 4 * QK].reshape(g.shape[0], g.shape[1], 4, 1, QK)
+        vec = torch.cat([b & 0x0F, b >> 4], dim=3).reshape(g.shape[0], g.shape[1], 8, QK)  # [tile, block, v, 32]
+        bits = self.HIGH_BITS
+        if bits:
+            vpp = 8 // bits
+            planes = g[:, :, 4 * QK :].to(torch.int32).view(g.shape[0], g.shape[1], bits, 1, QK)
+            shift = (bits * torch.arange(vpp, dtype=torch.int32))[:, None]
+            high = ((planes >> shift) & ((1 << bits) - 1)).view(g.shape[0], g.shape[1], 8, QK) << 4
+            vec = vec | high.to(torch.uint8)
         c = vec.view(-1, k // QK, 4, 2, self.TILE, 4)  # [tile, block, chunk, nibble, row, j]
         return c.permute(0, 4, 1, 2, 3, 5).reshape(-1, k)[:n]
 
+    def _kernel_offset(self) -> torch.Tensor | None:
+        return None  # only q4 has offsets
+
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        offset = self.offset_bits.view(torch.float16) if isinstance(self, W4A8Linear) else None
-        return qk.linear(x2, self.qweight, self.scale_bits.view(torch.float16), offset, fmt=self.FMT,
+        return qk.linear(x2, self.qweight, self.scale_bits.view(torch.float16), self._kernel_offset(), fmt=self.FMT,
                          n=self.out_features)
 
 
@@ -228,13 +225,8 @@ class W4A8Linear(_TiledLinear):
     def offset(self) -> torch.Tensor:  # fp16 [N, K/32]
         return self._untiled(self.offset_bits)
 
-    @classmethod
-    def pack(cls, codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, K] in 0..15 -> [tiles, K/32 * 128] bytes."""
-        return cls._nibble_chunks(codes).reshape(-1, codes.shape[1] // QK * 128).contiguous()
-
-    def codes(self) -> torch.Tensor:
-        return self._codes_of(self._vectors())
+    def _kernel_offset(self) -> torch.Tensor:
+        return self.offset_bits.view(torch.float16)
 
     @classmethod
     def from_affine(
@@ -312,17 +304,7 @@ class W5A8Linear(_TiledLinear):
     low 4 bits as W4A8Linear packs them, then 32 bytes of fifth bits (see `pack`)."""
 
     FMT = "q5"
-    BLOCK_BYTES = 160
-    CODE_MAX = 31
-
-    @classmethod
-    def pack(cls, codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, K] -> [tiles, K/32 * 160]: per block 128 bytes of nibbles, then 32 bytes whose
-        bit v of byte i is bit 4 of byte i of unpacked vector v (v = 2c + nibble, chunk c)."""
-        return cls._with_planes(codes, 1).contiguous()
-
-    def codes(self) -> torch.Tensor:
-        return self._codes_with_planes(1)
+    HIGH_BITS = 1  # 160 bytes per tile and block: bit v of plane byte i is bit 4 of vector v's byte i
 
     @classmethod
     def from_q5(
@@ -345,25 +327,14 @@ class W5A8Linear(_TiledLinear):
         return (q * self.scale.float()[..., None]).view(self.out_features, self.in_features)
 
 
-
 class W6A8Linear(_TiledLinear):
     """q6 codes (0..63, w = scale * (q - 32)) with a scale per 16 weights (GGUF Q6_K, up to the fp16
     rounding of d * sc), in tiles of 8 rows: per tile and block the low 4 bits as W4A8Linear packs
     them, then 64 bytes of high bits (see `pack`); `scale_bits` [tiles, K/16, 8]."""
 
     FMT = "q6"
-    BLOCK_BYTES = 192
-    CODE_MAX = 63
+    HIGH_BITS = 2  # 192 bytes: bits 2(v % 4), +1 of byte i of plane v // 4 are bits 4, 5 of vector v
     SUB = 16
-
-    @classmethod
-    def pack(cls, codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, K] -> [tiles, K/32 * 192]: per block 128 bytes of nibbles, then two 32-byte planes:
-        bits 2(v % 4), 2(v % 4) + 1 of byte i of plane v // 4 = bits 4, 5 of byte i of vector v."""
-        return cls._with_planes(codes, 2).contiguous()
-
-    def codes(self) -> torch.Tensor:
-        return self._codes_with_planes(2)
 
     @classmethod
     def from_float(
