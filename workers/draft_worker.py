@@ -192,7 +192,8 @@ class DraftWorker(ModelWorker):
         """While the target verifies x_1..x_K: fill the outcome cache for every likely (k, t*).
 
         1. glue: one forward over [committed tail, x_1..x_K] gives the draft's distribution after
-           each accepted prefix x_1..x_k (k = 0..K);
+           each accepted prefix x_1..x_k (k = 0..K); only from the first k with F_k > 0 when x_1..x_K
+           were drafted here and are still cached (see `_glue`);
         2. candidates t* for each k: the top-F_k tokens of it, excluding x_{k+1} (a rejected token
            can never be the correction);
         3. all branches x_1..x_k, t* are decoded K steps together, one batched tree-masked forward
@@ -202,24 +203,23 @@ class DraftWorker(ModelWorker):
         states = [self.dseqs[r.seq_id] for r in requests]
         for st in states:
             self._close_region(st)
-        feeds = [self._sync(st) for st in states]
-        glue = [f + r.tokens for f, r in zip(feeds, requests)]
-        logits = self.runner.forward([st.slot for st in states], glue)  # [B, n, V]
+        glues = [self._glue(st, r) for st, r in zip(states, requests)]
+        logits = self.runner.forward([st.slot for st in states], [g for g, _, _ in glues])  # [B, n, V]
         branches: list[list[tuple[int, int]]] = []  # per row: (k, t*)
         for b, (st, r) in enumerate(zip(states, requests)):
-            st.base += len(feeds[b])
+            _, committed, first = glues[b]
+            st.base += committed
             st.region_start = st.base
             st.round_id = r.round_id
             self.runner.open_tree(st.slot, st.base)  # x_1..x_K become region nodes 0..K-1
             K = len(r.tokens)
-            first = len(feeds[b]) - 1  # index of the distribution after the last committed token
-            dist = logits[b, first : first + K + 1]  # [K+1, V]: after x_1..x_k for k = 0..K
             cands = []
             for k in range(K + 1):
                 f = r.fanout[k] if k < len(r.fanout) else 0
                 if f <= 0:
                     continue
-                top = torch.topk(dist[k], min(f + 1, dist.shape[-1])).indices.tolist()
+                dist = logits[b, first + k]  # [V]: the draft's distribution after x_1..x_k
+                top = torch.topk(dist, min(f + 1, dist.shape[-1])).indices.tolist()
                 if k < K:
                     top = [t for t in top if t != r.tokens[k]]
                 cands.extend((k, t) for t in top[:f])
@@ -278,6 +278,23 @@ class DraftWorker(ModelWorker):
             self.cache.fill(r.seq_id, r.round_id, entries)
         self.last_speculate_s = time.perf_counter() - t0
         return {"seconds": self.last_speculate_s, "branches": sum(len(c) for c in branches)}
+
+    def _glue(self, st: DraftSeq, r: SpecRequest) -> tuple[list[int], int, int]:
+        """What speculate feeds for one sequence: (tokens, how many of them are committed, index of
+        the distribution after x_0 = the last committed token; after x_k it is that index + k).
+
+        Distributions are needed only from the first k with F_k > 0. After drafting x_1..x_K here
+        (propose, or a hit), x_1..x_{K-1} are still cached: feeding x_k..x_K from that k on costs
+        one row instead of K + 1 when only F_K > 0, as on a cache hit at a high acceptance rate.
+        """
+        K = len(r.tokens)
+        j = min((k for k in range(K + 1) if k < len(r.fanout) and r.fanout[k] > 0), default=K) - 1
+        if j >= 0 and not st.todo and st.spec_fed[:j] == r.tokens[:j] and len(st.spec_fed) >= j:
+            self.runner.truncate(st.slot, st.base + j)  # keep x_1..x_j, re-feed from x_{j+1}
+            st.spec_fed = []
+            return r.tokens[j:], 0, -1 - j
+        feeds = self._sync(st)
+        return feeds + r.tokens, len(feeds), len(feeds) - 1
 
     def resolve(
         self,

@@ -1,0 +1,63 @@
+"""SSD speculation's glue: after drafting x_1..x_K, the draft keeps them cached and feeds only from the
+first outcome with candidates (one row when F_K alone is non-zero); the outcome cache it fills, and
+every later draft, match a draft that re-feeds [x_0, x_1..x_K] as before."""
+
+import pytest
+
+from ssd.workers.draft_worker import DraftWorker, SpecRequest
+from ssd.workers.messages import SamplingSpec
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+K = 3
+
+
+def full_glue(w: DraftWorker):
+    """The reference: roll back to the committed tokens and re-feed the last one and x_1..x_K."""
+    def glue(st, r):
+        feeds = w._sync(st)
+        return feeds + r.tokens, len(feeds), len(feeds) - 1
+    return glue
+
+
+def rows_fed(w: DraftWorker) -> list[int]:
+    fed: list[int] = []
+    forward = w.runner.forward
+    w.runner.forward = lambda slots, tokens, *a, **kw: (fed.append(len(tokens[0])), forward(slots, tokens, *a, **kw))[1]
+    return fed
+
+
+@pytest.mark.parametrize("spec", [SamplingSpec(temperature=0), SamplingSpec(temperature=0.9, seed=7)])
+@pytest.mark.parametrize("fanout,first_rows", [([0, 0, 0, 2], 1), ([0, 2, 0, 1], 3), ([0, 0, 2, 0], 2),
+                                               ([1, 0, 0, 1], 4), ([2, 1, 1, 1], 4)])
+def test_short_glue_fills_the_same_cache(models, spec, fanout, first_rows):
+    draft = models[1]
+    workers = [DraftWorker(draft, dtype="float32", max_slots=1, max_len=128) for _ in range(2)]
+    workers[1]._glue = full_glue(workers[1])
+    fed = [rows_fed(w) for w in workers]
+    results = []
+    for w, f in zip(workers, fed):
+        w.add(0, PROMPT, spec)
+        drafts, _ = w.propose([(0, K)])
+        x = drafts[0].tokens
+        entries, first = [], []
+        for round_id in range(3):  # speculate, hit on (K, top candidate), speculate again from the hit
+            f.clear()
+            w.speculate([SpecRequest(seq_id=0, round_id=round_id, tokens=x, fanout=fanout, next_fanout=fanout,
+                                     k_next=K)])
+            entries.append({key: (e.tokens, e.path, None if e.q is None else e.q.clone())
+                            for key, e in w.cache._entries[0][1].items()})
+            first.append(f[0])
+            k, t = max(entries[-1])  # the outcome with the most accepted tokens
+            [res] = w.resolve([(0, k, [*x[:k], t], K)], neural_backup=True)
+            x = res.draft.tokens
+        results.append((entries, first, x))
+    (got, got_rows, got_x), (want, want_rows, want_x) = results
+    assert got_x == want_x
+    for g, e in zip(got, want):
+        assert g.keys() == e.keys()
+        for key in g:
+            assert g[key][:2] == e[key][:2]
+            assert (g[key][2] is None) == (e[key][2] is None)
+            if g[key][2] is not None:
+                assert g[key][2].equal(e[key][2])
+    assert want_rows == [K + 1] * 3 and got_rows == [first_rows] * 3
