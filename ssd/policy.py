@@ -36,6 +36,9 @@ class CostModel:
     acceptance: Ema = field(default_factory=lambda: Ema(0.7))  # per-token, neural draft
     fast_acceptance: Ema = field(default_factory=lambda: Ema(0.2))  # per-token, fast backup / n-gram drafts
     p_hit: Ema = field(default_factory=lambda: Ema(0.5))  # per-sequence hit rate
+    # n-gram acceptance by the length of the suffix the lookup matched: code copied from the prompt
+    # matches 4 tokens and is accepted nearly always, prose matching 1-2 tokens rarely.
+    ngram_by_match: dict[int, Ema] = field(default_factory=dict)
 
     def seed(self, t_verify: dict[int, float], draft_step: float | None = None, speculate: float | None = None) -> None:
         """Start from latencies measured at start-up instead of the generic defaults (each counts as one
@@ -56,6 +59,18 @@ class CostModel:
             if value is not None:
                 ema.value, ema.n = value, 1
 
+    def ngram_acceptance(self, match: int) -> float:
+        """Per-token acceptance of an n-gram draft whose lookup matched `match` tokens (0: no draft)."""
+        if match <= 0:
+            return 0.0
+        ema = self.ngram_by_match.get(match)
+        return ema.value if ema is not None else self.fast_acceptance.value
+
+    def observe_ngram(self, match: int, rate: float) -> None:
+        self.fast_acceptance.update(rate)
+        if match > 0:
+            self.ngram_by_match.setdefault(match, Ema(rate)).update(rate)
+
     def verify_time(self, n_tokens: int) -> float:
         return max(self.v0.value + self.v1.value * n_tokens, 1e-6)
 
@@ -74,8 +89,23 @@ def expected_tokens(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def choose(cost: CostModel, batch: int, k: int, allowed: tuple[str, ...] = OPTIONS) -> tuple[str, dict[str, float]]:
-    """Return the option with the lowest expected seconds per emitted token, and all the scores."""
+def best_draft_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
+    """The draft length (1..k_max) with the fewest expected seconds per token when drafting is free."""
+    return min(range(1, k_max + 1), key=lambda k: cost.verify_time(batch * (k + 1)) / expected_tokens(a, k))
+
+
+def choose(
+    cost: CostModel,
+    batch: int,
+    k: int,
+    allowed: tuple[str, ...] = OPTIONS,
+    ngram: tuple[float, int] | None = None,
+) -> tuple[str, dict[str, float]]:
+    """Return the option with the lowest expected seconds per emitted token, and all the scores.
+
+    `ngram`: (acceptance, draft length) of this round's n-gram drafts, from the lookups' match lengths;
+    without it n-gram SD is priced at the overall n-gram acceptance and length k.
+    """
     a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.p_hit.value
     e_sd = expected_tokens(a, k)
     e_fast = expected_tokens(a_fast, k)
@@ -92,7 +122,9 @@ def choose(cost: CostModel, batch: int, k: int, allowed: tuple[str, ...] = OPTIO
     scores["ssd_neural"] = (overlap + (1 - all_hit) * t_draft) / (batch * e_sd)
     tok_fast = batch * (p * e_sd + (1 - p) * e_fast)
     scores["ssd_fast"] = overlap / tok_fast
-    # n-gram SD: verification only; drafting is a lookup.
-    scores["ngram"] = t_ver / (batch * e_fast)
+    # n-gram SD: verification only; drafting is a lookup (the draft model speculates meanwhile only
+    # when that fits inside the verification).
+    a_ngram, k_ngram = ngram if ngram is not None else (a_fast, k)
+    scores["ngram"] = cost.verify_time(batch * (k_ngram + 1)) / (batch * expected_tokens(a_ngram, k_ngram))
     best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])
     return best, scores

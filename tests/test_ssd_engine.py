@@ -33,17 +33,58 @@ def cycle_policy(monkeypatch, order):
     import ssd.modes.ssd as ssd_mode
 
     it = itertools.cycle(order)
-    monkeypatch.setattr(ssd_mode, "choose", lambda cost, batch, k, allowed: (next(it), dict.fromkeys(allowed, 1.0)))
+    monkeypatch.setattr(
+        ssd_mode, "choose", lambda cost, batch, k, allowed, ngram=None: (next(it), dict.fromkeys(allowed, 1.0))
+    )
 
 
-def test_auto_switching_through_every_option_greedy_equals_ar(models, ar_outputs, monkeypatch):
+def force_ngram_speculation(monkeypatch, on: bool) -> list[int]:
+    """Make n-gram rounds speculate (SSD rounds on n-gram drafts) or not; returns a log of the asks."""
+    import ssd.modes.ssd as ssd_mode
+
+    asked: list[int] = []
+    monkeypatch.setattr(ssd_mode.SSDMode, "_speculate_on_ngram", lambda self, drafts: (asked.append(1), on)[1])
+    return asked
+
+
+@pytest.mark.parametrize("ngram_speculates", [False, True])
+def test_auto_switching_through_every_option_greedy_equals_ar(models, ar_outputs, monkeypatch, ngram_speculates):
     """Every option of the policy, n-gram SD included, and every switch between them keeps greedy == AR."""
     cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ssd_fast", "sd", "ngram", "ar", "ssd_neural", "sd"])
+    asked = force_ngram_speculation(monkeypatch, ngram_speculates)
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=4, max_len=128) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == ar_outputs
         policy = llm.stats()["policy"]
     assert all(policy.get(o, 0) > 0 for o in ("ssd_neural", "ssd_fast", "sd", "ngram", "ar")), policy
+    assert len(asked) >= policy["ngram"]
+
+
+@pytest.mark.parametrize("speculates", [True, False])
+def test_ngram_rounds_speculate_and_hit(models, monkeypatch, speculates):
+    """n-gram rounds that speculate leave a prepared neural draft: with draft == target (greedy) the
+    neural round after an n-gram round takes it from the cache instead of drafting just in time."""
+    from ssd.workers.draft_worker import DraftWorker
+
+    cycle_policy(monkeypatch, ["ngram", "ssd_neural"])
+    force_ngram_speculation(monkeypatch, speculates)
+    proposes: list[int] = []
+    propose = DraftWorker.propose
+    monkeypatch.setattr(DraftWorker, "propose", lambda self, *a, **kw: (proposes.append(1), propose(self, *a, **kw))[1])
+    prompt = [5, 6, 7, 8] * 4  # the lookup always matches
+    with LLM(target=models[0], mode="ar", dtype="float32", max_batch=1, max_len=160) as llm:
+        want = llm.generate([prompt], GREEDY)[0].token_ids
+    with LLM(target=models[0], draft=models[0], mode="auto", k=3, fanout=[1, 1, 1, 1], dtype="float32",
+             max_batch=1, max_len=160) as llm:
+        out = llm.generate([prompt], GREEDY)[0]
+        st = llm.stats()
+    assert out.token_ids == want
+    neural_rounds = st["policy"]["ssd_neural"]
+    assert st["policy"]["ngram"] >= 3 and neural_rounds >= 3, st
+    if speculates:  # only the first round drafts just in time
+        assert len(proposes) <= 1 and sum(st["cache_hits_per_k"].values()) >= neural_rounds, st
+    else:
+        assert len(proposes) >= neural_rounds
 
 
 def test_draft_equal_to_target_hits_every_round(models):

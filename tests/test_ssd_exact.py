@@ -65,13 +65,17 @@ def test_ssd_with_k_and_budget_retuned_every_round_is_exact(target, draft):
     assert p > 1e-3, f"chi-square p-value {p:.2e}"
 
 
-def test_auto_switching_through_every_option_is_exact(target, draft, monkeypatch):
-    """mode="auto" with the choice forced to change every round, n-gram SD included: still exact."""
-    from test_ssd_engine import cycle_policy
+@pytest.mark.parametrize("ngram_speculates", [False, True])
+def test_auto_switching_through_every_option_is_exact(target, draft, monkeypatch, ngram_speculates):
+    """mode="auto" with the choice forced to change every round, n-gram SD included (as plain n-gram SD,
+    and as SSD rounds where the draft speculates on the n-gram drafts): still exact."""
+    from test_ssd_engine import cycle_policy, force_ngram_speculation
 
     cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ssd_fast", "sd", "ar", "ngram"])
+    asked = force_ngram_speculation(monkeypatch, ngram_speculates)
     p, st = run_case(target, draft, SamplingParams(temperature=1.0), seed=9, mode="auto", k=2, saguaro_c=0.5)
     assert all(st["policy"].get(o, 0) > 10 for o in ("ssd_neural", "ssd_fast", "sd", "ngram", "ar")), st["policy"]
+    assert len(asked) >= st["policy"]["ngram"]
     assert p > 1e-3, f"chi-square p-value {p:.2e}"
 
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 
-def ngram_propose(history: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix n-gram.
+def ngram_match(history: list[int], k: int, max_n: int = 4, min_n: int = 1) -> tuple[list[int], int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix n-gram, and
+    that n (0: no match). A longer match predicts better: the policy keeps an acceptance rate per n.
 
     Tries n = max_n down to min_n; the match must end before the suffix itself.
     """
     L = len(history)
     if k <= 0 or L < 2:
-        return []
+        return [], 0
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         suffix = history[L - n :]
         # Scan right to left: the latest occurrence best predicts local repetition.
@@ -18,8 +19,13 @@ def ngram_propose(history: list[int], k: int, max_n: int = 4, min_n: int = 1) ->
             if history[start : start + n] == suffix:
                 follow = history[start + n : start + n + k]
                 if follow:
-                    return follow
-    return []
+                    return follow, n
+    return [], 0
+
+
+def ngram_propose(history: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """The tokens of `ngram_match`."""
+    return ngram_match(history, k, max_n, min_n)[0]
 
 
 def ref_ngram_propose(history: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:

@@ -18,11 +18,11 @@ from ssd.autoconfig import SSDTuner
 from ssd.fanout import FanoutPlanner
 from ssd.handles import WorkerDied, WorkerHandle
 from ssd.modes.recovery import DraftBackedMode
-from ssd.policy import CostModel, choose
+from ssd.policy import CostModel, best_draft_len, choose
 from ssd.sequence import Sequence
 from ssd.workers.draft_worker import SpecRequest
 from ssd.workers.messages import Draft, Outcome
-from ssd.workers.ngram import ngram_propose
+from ssd.workers.ngram import ngram_match
 
 
 class DraftLost(Exception):
@@ -35,6 +35,7 @@ class DraftLost(Exception):
 
 EXPLORE_EVERY = 16  # rounds between re-measurements of a runner-up option
 EXPLORE_WITHIN = 1.5  # only options scored within this factor of the best are re-measured
+NGRAM_K_MAX = 8  # longest n-gram draft: a long match is accepted nearly always, and a lookup costs nothing
 
 
 class SSDMode(DraftBackedMode):
@@ -70,6 +71,8 @@ class SSDMode(DraftBackedMode):
         self.last_scores: dict[str, float] = {}
         self._rounds_since_explore = 0
         self._last_tried: dict[str, int] = {}
+        self._ngram_k = k  # this round's n-gram draft length (policy)
+        self._match: dict[int, int] = {}  # seq_id -> suffix length the current n-gram draft matched
 
     # -- sequences ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -79,16 +82,18 @@ class SSDMode(DraftBackedMode):
     def remove(self, seq: Sequence) -> None:
         self.current.pop(seq.seq_id, None)
         self.fanout_used.pop(seq.seq_id, None)
+        self._match.pop(seq.seq_id, None)
         self._rng.pop(seq.seq_id, None)
         self.planner.forget(seq.seq_id)
         super().remove(seq)
 
     # -- policy ------------------------------------------------------------------------------
-    def _choose(self, batch: int) -> str:
+    def _choose(self, seqs: list[Sequence]) -> str:
         if len(self.allowed) == 1:
             choice, self.last_scores = self.allowed[0], {}
         else:
-            choice, self.last_scores = choose(self.cost, batch, self.k, self.allowed)
+            ngram = self._ngram_plan(seqs) if "ngram" in self.allowed else None
+            choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram)
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up.
             self._rounds_since_explore += 1
             if self._rounds_since_explore >= EXPLORE_EVERY:
@@ -101,12 +106,20 @@ class SSDMode(DraftBackedMode):
         self.last_choice = choice
         return choice
 
+    def _ngram_plan(self, seqs: list[Sequence]) -> tuple[float, int]:
+        """(acceptance, draft length) of n-gram drafts this round, from each lookup's match length."""
+        matches = [ngram_match(s.prompt_ids + s.output_ids, NGRAM_K_MAX, self.ngram_max)[1] for s in seqs]
+        a = sum(self.cost.ngram_acceptance(n) for n in matches) / len(seqs)
+        self._ngram_k = best_draft_len(self.cost, a, len(seqs), NGRAM_K_MAX)
+        return a, self._ngram_k
+
     def _fast_backup(self, seq: Sequence, emitted: list[int], k: int, kind: str | None = None) -> Draft:
         if (kind or self.backup) == "random":
             rng = self._rng[seq.seq_id]
             tokens = [rng.randrange(self.vocab_size) for _ in range(k)]
+            self._match.pop(seq.seq_id, None)
         else:
-            tokens = ngram_propose(seq.prompt_ids + seq.output_ids + emitted, k, self.ngram_max)
+            tokens, self._match[seq.seq_id] = ngram_match(seq.prompt_ids + seq.output_ids + emitted, k, self.ngram_max)
         return Draft(seq_id=seq.seq_id, tokens=tokens, q_kind="point")
 
     # -- one round ---------------------------------------------------------------------------
@@ -124,11 +137,12 @@ class SSDMode(DraftBackedMode):
             return self._ar_round(seqs)
 
     def _round(self, seqs: list[Sequence]) -> list[Outcome]:
-        choice = self._choose(len(seqs))
+        choice = self._choose(seqs)
         if choice == "ar":
             return self._plain_round(seqs)
-        if choice == "ngram":  # prompt-lookup drafts; prepared speculation (if any) is dropped by commit
-            self.current.update({s.seq_id: (self._fast_backup(s, [], self.draft_len(s), "ngram"), None, "backup")
+        if choice == "ngram":  # prompt-lookup drafts replace any prepared speculation
+            k_ngram = {s.seq_id: max(0, min(self._ngram_k, s.remaining - 1)) for s in seqs}
+            self.current.update({s.seq_id: (self._fast_backup(s, [], k_ngram[s.seq_id], "ngram"), None, "backup")
                                  for s in seqs})
         missing = [s for s in seqs if s.seq_id not in self.current]
         if missing and choice == "ssd_fast":  # no prepared speculation: the fast backup drafts
@@ -146,7 +160,7 @@ class SSDMode(DraftBackedMode):
         drafts = [self.current[s.seq_id][0] for s in seqs]
         q_draft = [self.current[s.seq_id][1] for s in seqs]
         sources = [self.current[s.seq_id][2] for s in seqs]
-        if choice in ("sd", "ngram"):
+        if choice == "sd" or (choice == "ngram" and not self._speculate_on_ngram(drafts)):
             outcomes = self._timed_verify(drafts, q_draft)
             for o in outcomes:
                 self.draft.call("commit", o.seq_id, o.tokens)
@@ -157,7 +171,12 @@ class SSDMode(DraftBackedMode):
             self.planner.observe_round(s.seq_id, src, len(d.tokens), o.num_accepted)
             if d.tokens:
                 rate = o.num_accepted / (o.num_accepted + (1 if o.num_accepted < len(d.tokens) else 0))
-                (self.cost.fast_acceptance if d.q_kind == "point" else self.cost.acceptance).update(rate)
+                if d.q_kind != "point":
+                    self.cost.acceptance.update(rate)
+                elif s.seq_id in self._match:
+                    self.cost.observe_ngram(self._match[s.seq_id], rate)
+                else:
+                    self.cost.fast_acceptance.update(rate)
                 if self.tuner is not None and d.q_kind != "point":  # the neural draft's acceptance
                     self.tuner.observe(len(d.tokens), o.num_accepted)
         if self.tuner is not None:
@@ -167,6 +186,11 @@ class SSDMode(DraftBackedMode):
         self._shadow_ngram(seqs, drafts, outcomes)
         self._record(seqs, drafts, outcomes, choice)
         return outcomes
+
+    def _speculate_on_ngram(self, drafts: list[Draft]) -> bool:
+        """n-gram rounds let the draft speculate on the n-gram drafts (a hit has the next neural draft
+        ready) when that fits inside their verification; otherwise they are plain n-gram SD."""
+        return self.cost.speculate.value <= self.cost.verify_time(sum(len(d.tokens) + 1 for d in drafts))
 
     def _shadow_ngram(self, seqs: list[Sequence], drafts: list[Draft], outcomes: list[Outcome]) -> None:
         """Score the n-gram drafter on rounds it did not draft, so the policy knows its acceptance.
@@ -180,10 +204,10 @@ class SSDMode(DraftBackedMode):
         for s, d, o in zip(seqs, drafts, outcomes):
             if d.q_kind == "point" and d.tokens:  # the n-gram drafter drafted this round: already counted
                 continue
-            guess = ngram_propose(s.prompt_ids + s.output_ids, len(o.tokens), self.ngram_max)
+            guess, match = ngram_match(s.prompt_ids + s.output_ids, len(o.tokens), self.ngram_max)
             n = min(len(guess), len(o.tokens))
             m = next((i for i in range(n) if guess[i] != o.tokens[i]), n)
-            self.cost.fast_acceptance.update(m / (m + 1) if m < n else (1.0 if n else 0.0))
+            self.cost.observe_ngram(match, m / (m + 1) if m < n else (1.0 if n else 0.0))
 
     def _timed_verify(self, drafts: list[Draft], q_draft: list) -> list[Outcome]:
         t0 = time.perf_counter()

@@ -1,0 +1,75 @@
+"""Prompt lookup: ngram_match == the obvious reference, and the policy's use of the match length."""
+
+import random
+
+import pytest
+
+from ssd.policy import CostModel, Ema, best_draft_len, choose
+from ssd.workers.ngram import ngram_match, ngram_propose, ref_ngram_propose
+
+
+def ref_match_len(history: list[int], max_n: int) -> int:
+    """Longest n <= max_n whose suffix occurs earlier with a token after it (0: none)."""
+    L = len(history)
+    for n in range(min(max_n, L - 1), 0, -1):
+        if any(history[s : s + n] == history[L - n :] for s in range(0, L - n)):
+            return n
+    return 0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_ngram_match_equals_reference(seed):
+    rng = random.Random(seed)
+    history = [rng.randrange(1 + seed % 6) for _ in range(rng.randrange(0, 40))]
+    for k in (0, 1, 3, 8):
+        tokens, n = ngram_match(history, k, max_n=4)
+        assert tokens == ref_ngram_propose(history, k, max_n=4) == ngram_propose(history, k, max_n=4)
+        assert n == (ref_match_len(history, 4) if k > 0 and len(history) >= 2 else 0)
+        assert (n == 0) == (tokens == [])
+
+
+def test_match_length_examples():
+    assert ngram_match([5, 6, 7, 8, 9, 5, 6, 7, 8], 3) == ([9, 5, 6], 4)
+    assert ngram_match([1, 2, 3, 1], 2) == ([2, 3], 1)
+    assert ngram_match([1, 2, 3], 2) == ([], 0)
+
+
+def seeded_costs() -> CostModel:
+    c = CostModel()
+    c.seed({1: 0.10, 4: 0.22, 8: 0.38}, draft_step=0.04, speculate=0.15)
+    c.acceptance, c.p_hit = Ema(0.6), Ema(0.5)
+    return c
+
+
+def test_ngram_acceptance_is_kept_per_match_length():
+    c = seeded_costs()
+    c.fast_acceptance = Ema(0.3)
+    assert c.ngram_acceptance(0) == 0.0 and c.ngram_acceptance(4) == 0.3  # no data for 4 yet: the overall rate
+    for _ in range(10):
+        c.observe_ngram(4, 0.97)
+        c.observe_ngram(1, 0.05)
+    assert c.ngram_acceptance(4) > 0.9 and c.ngram_acceptance(1) < 0.1
+    assert c.ngram_acceptance(2) == pytest.approx(c.fast_acceptance.value)  # unseen length: the overall rate
+    c.observe_ngram(0, 0.0)  # no lookup match: only the overall rate moves
+    assert 0 not in c.ngram_by_match
+
+
+def test_policy_takes_ngram_for_long_matches_only():
+    c = seeded_costs()
+    for _ in range(10):
+        c.observe_ngram(4, 0.97)
+        c.observe_ngram(1, 0.05)
+    long_a, short_a = c.ngram_acceptance(4), c.ngram_acceptance(1)
+    k_long, k_short = best_draft_len(c, long_a, 1, 8), best_draft_len(c, short_a, 1, 8)
+    assert k_long > k_short
+    assert choose(c, 1, 3, ngram=(long_a, k_long))[0] == "ngram"
+    assert choose(c, 1, 3, ngram=(short_a, k_short))[0] != "ngram"
+
+
+def test_best_draft_len_grows_with_acceptance():
+    c = seeded_costs()
+    ks = [best_draft_len(c, a, 1, 8) for a in (0.0, 0.3, 0.6, 0.8, 0.9, 0.99)]
+    assert ks == sorted(ks) and ks[0] == 1 and ks[-1] == 8
+    for a, k in zip((0.3, 0.9), (ks[1], ks[4])):  # the chosen length is the cheapest per token
+        per_token = [c.verify_time(j + 1) / ((1 - a ** (j + 1)) / (1 - a)) for j in range(1, 9)]
+        assert per_token[k - 1] == min(per_token)
