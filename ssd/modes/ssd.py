@@ -189,8 +189,12 @@ class SSDMode(DraftBackedMode):
 
     def _speculate_on_ngram(self, drafts: list[Draft]) -> bool:
         """n-gram rounds let the draft speculate on the n-gram drafts (a hit has the next neural draft
-        ready) when that fits inside their verification; otherwise they are plain n-gram SD."""
-        return self.cost.speculate.value <= self.cost.verify_time(sum(len(d.tokens) + 1 for d in drafts))
+        ready) when that fits inside their verification; otherwise they are plain n-gram SD. Only drafts
+        of at most K tokens: the draft's glue grows with the draft, and speculating on an 8-token n-gram
+        draft took over a second on the real pair (one core each)."""
+        return all(len(d.tokens) <= self.k for d in drafts) and self.cost.speculate.value <= self.cost.verify_time(
+            sum(len(d.tokens) + 1 for d in drafts)
+        )
 
     def _shadow_ngram(self, seqs: list[Sequence], drafts: list[Draft], outcomes: list[Outcome]) -> None:
         """Score the n-gram drafter on rounds it did not draft, so the policy knows its acceptance.
