@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 OPTIONS = ("ssd_neural", "ssd_fast", "sd", "ar", "ngram")  # order breaks ties
+NGRAM_PRIOR = 4  # rounds of evidence the overall n-gram rate counts for in a per-match-length estimate
 
 
 @dataclass
@@ -60,11 +61,19 @@ class CostModel:
                 ema.value, ema.n = value, 1
 
     def ngram_acceptance(self, match: int) -> float:
-        """Per-token acceptance of an n-gram draft whose lookup matched `match` tokens (0: no draft)."""
+        """Per-token acceptance of an n-gram draft whose lookup matched `match` tokens (0: no draft).
+
+        The per-length estimate is blended with the overall rate as if that were NGRAM_PRIOR rounds of
+        evidence: observations are mostly 0 or 1 (shadowed AR rounds), and one lucky round must not
+        price an 8-token draft as certain.
+        """
         if match <= 0:
             return 0.0
         ema = self.ngram_by_match.get(match)
-        return ema.value if ema is not None else self.fast_acceptance.value
+        n = 0 if ema is None else min(ema.n, NGRAM_PRIOR * 4)
+        if n == 0:
+            return self.fast_acceptance.value
+        return (n * ema.value + NGRAM_PRIOR * self.fast_acceptance.value) / (n + NGRAM_PRIOR)
 
     def observe_ngram(self, match: int, rate: float) -> None:
         self.fast_acceptance.update(rate)
