@@ -289,7 +289,7 @@ class DraftWorker(ModelWorker):
         """
         K = len(r.tokens)
         j = min((k for k in range(K + 1) if k < len(r.fanout) and r.fanout[k] > 0), default=K) - 1
-        if j >= 0 and not st.todo and st.spec_fed[:j] == r.tokens[:j] and len(st.spec_fed) >= j:
+        if j >= 0 and not st.todo and st.spec_fed[:j] == r.tokens[:j]:  # x_1..x_j still cached
             self.runner.truncate(st.slot, st.base + j)  # keep x_1..x_j, re-feed from x_{j+1}
             st.spec_fed = []
             return r.tokens[j:], 0, -1 - j

@@ -72,6 +72,7 @@ class SSDMode(DraftBackedMode):
         self._rounds_since_explore = 0
         self._last_tried: dict[str, int] = {}
         self._ngram_k = k  # this round's n-gram draft length (policy)
+        self._lookups: dict[int, tuple[list[int], int]] = {}  # this round's lookups: seq_id -> (tokens, match)
         self._match: dict[int, int] = {}  # seq_id -> suffix length the current n-gram draft matched
 
     # -- sequences ---------------------------------------------------------------------------
@@ -108,13 +109,13 @@ class SSDMode(DraftBackedMode):
 
     def _ngram_plan(self, seqs: list[Sequence]) -> tuple[float, int]:
         """(acceptance, draft length) of n-gram drafts this round, from each lookup's match length."""
-        matches = [ngram_match(s.prompt_ids + s.output_ids, NGRAM_K_MAX, self.ngram_max)[1] for s in seqs]
-        a = sum(self.cost.ngram_acceptance(n) for n in matches) / len(seqs)
+        self._lookups = {s.seq_id: ngram_match(s.prompt_ids + s.output_ids, NGRAM_K_MAX, self.ngram_max) for s in seqs}
+        a = sum(self.cost.ngram_acceptance(n) for _, n in self._lookups.values()) / len(seqs)
         self._ngram_k = best_draft_len(self.cost, a, len(seqs), NGRAM_K_MAX)
         return a, self._ngram_k
 
-    def _fast_backup(self, seq: Sequence, emitted: list[int], k: int, kind: str | None = None) -> Draft:
-        if (kind or self.backup) == "random":
+    def _fast_backup(self, seq: Sequence, emitted: list[int], k: int) -> Draft:
+        if self.backup == "random":
             rng = self._rng[seq.seq_id]
             tokens = [rng.randrange(self.vocab_size) for _ in range(k)]
             self._match.pop(seq.seq_id, None)
@@ -140,10 +141,12 @@ class SSDMode(DraftBackedMode):
         choice = self._choose(seqs)
         if choice == "ar":
             return self._plain_round(seqs)
-        if choice == "ngram":  # prompt-lookup drafts replace any prepared speculation
-            k_ngram = {s.seq_id: max(0, min(self._ngram_k, s.remaining - 1)) for s in seqs}
-            self.current.update({s.seq_id: (self._fast_backup(s, [], k_ngram[s.seq_id], "ngram"), None, "backup")
-                                 for s in seqs})
+        if choice == "ngram":  # the policy's lookups (up to NGRAM_K_MAX tokens) replace any prepared speculation
+            for s in seqs:
+                tokens, self._match[s.seq_id] = self._lookups[s.seq_id]
+                draft = Draft(seq_id=s.seq_id, tokens=tokens[: max(0, min(self._ngram_k, s.remaining - 1))],
+                              q_kind="point")
+                self.current[s.seq_id] = (draft, None, "backup")
         missing = [s for s in seqs if s.seq_id not in self.current]
         if missing and choice == "ssd_fast":  # no prepared speculation: the fast backup drafts
             for s in missing:
