@@ -323,3 +323,56 @@ def test_real_15b_q6k_layers_load_as_q6():
     assert isinstance(down, W6A8Linear) and isinstance(model.lm_head, W6A8Linear)
     data, n, k = real_gguf_tensor("qwen-coder-1.5b", "blk.0.ffn_down.weight", "Q6_K")
     assert torch.equal(down.codes(), q6k_codes(torch.from_numpy(np.array(data)), n, k)[0])
+
+
+@pytest.mark.parametrize("build", [name for name in qk.ISA_FLAGS if name != "avx2"])
+def test_vnni_builds_give_the_avx2_bits(build, monkeypatch):
+    """The VNNI builds only compute the integer block sums with fewer instructions: every layer kind
+    and a whole quantised model (fused decoder layers) give the avx2 build's bits."""
+    if build not in qk.supported_isas():
+        pytest.skip(f"this CPU cannot run the {build} build")
+    libs = {name: qk.load(name) for name in ("avx2", build)}
+
+    def run(fn):
+        out = {}
+        for name, lib in libs.items():
+            monkeypatch.setattr(qk, "_lib", lambda lib=lib: lib)
+            out[name] = fn()
+        return out["avx2"], out[build]
+
+    g = torch.Generator().manual_seed(11)
+    for cls in CLASSES:
+        for k in (288, 896):  # a half-empty q4 pair / a half group at the end
+            lin = cls.from_float(torch.randn(40, k, generator=g), torch.randn(40, generator=g), torch.bfloat16)
+            for m in (1, 3, 8, 9):
+                x = torch.randn(m, k, generator=g).bfloat16()
+                base, fast = run(lambda lin=lin, x=x: lin(x))
+                assert torch.equal(base, fast), (cls.__name__, k, m)
+    from ssd.workers.model_runner import ModelRunner
+
+    model = quantize_model(random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=2).to(torch.bfloat16), "w4a8")
+
+    def forward():
+        runner = ModelRunner(model, max_slots=1, max_len=64)
+        slot = runner.allocate()
+        prefill = runner.forward([slot], [list(range(3, 23))])
+        logits = torch.cat([prefill[0], runner.forward([slot], [[5, 9, 2, 7]])[0]])  # [24, V]
+        assert model._fused is not None  # the layers ran as one C call (ssd_decoder_layers)
+        return logits
+
+    base, fast = run(forward)
+    assert torch.equal(base, fast)
+
+
+def test_kernel_build_choice(monkeypatch):
+    assert qk.isa() == qk.supported_isas()[0] and qk.supported_isas()[-1] == "avx2"
+    monkeypatch.setenv("SSD_CPU_ISA", "avx2")
+    assert qk.isa() == "avx2"
+    monkeypatch.setenv("SSD_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="expected one of"):
+        qk.isa()
+    missing = [name for name in qk.ISA_FLAGS if name not in qk.supported_isas()]
+    if missing:
+        monkeypatch.setenv("SSD_CPU_ISA", missing[0])
+        with pytest.raises(ValueError, match="this CPU lacks"):
+            qk.isa()

@@ -1,7 +1,8 @@
-"""CPU kernels (``qgemm.cpp``, AVX2): block-quantised GEMM (int4 / int5 / int8 weights x int8 activations,
-per block of 32), a dense GEMM for unquantised fp32/bf16 weights (fp32 accumulation), RMSNorm and
-token-by-token attention over the KV cache, all row-independent (the batch-invariant path); and
-(``decoder_layer.cpp``) SiLU * up and whole decoder layers built from those kernels in one call.
+"""CPU kernels (``qgemm.cpp``, AVX2; AVX-VNNI where the CPU has it, see ``isa``): block-quantised GEMM (int4 /
+int5 / int8 weights x int8 activations, per block of 32), a dense GEMM for unquantised fp32/bf16 weights (fp32
+accumulation), RMSNorm and token-by-token attention over the KV cache, all row-independent (the batch-
+invariant path); and (``decoder_layer.cpp``) SiLU * up and whole decoder layers built from those kernels in
+one call.
 
 The C++ sources are compiled on first use with the system ``g++`` into the ssd cache directory
 (``$SSD_CACHE_DIR`` or ``~/.cache/ssd``, keyed by a hash of source and flags) and loaded with
@@ -30,13 +31,25 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "BLOCK_FORMATS", "QK", "LayerDesc", "LinearDesc", "RowPlan", "attend_rows", "available", "decoder_layers", "linear",
-    "linear_dense", "quantize_rows", "ref_attend_rows", "ref_quantize_rows", "rmsnorm", "silu_mul",
-    "unavailable_reason",
+    "BLOCK_FORMATS", "ISA_FLAGS", "QK", "LayerDesc", "LinearDesc", "RowPlan", "attend_rows", "available",
+    "decoder_layers", "isa", "linear", "linear_dense", "load", "quantize_rows", "ref_attend_rows",
+    "ref_quantize_rows", "rmsnorm", "silu_mul", "supported_isas", "unavailable_reason",
 ]
 
 QK = 32  # weights and activations are quantised in blocks of 32 along K
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# Builds of the kernels, best first, with the CPU flags each needs: the VNNI builds do an int8 dot
+# product in one instruction instead of three (the same integer sums, so the same bits as avx2).
+ISA_FLAGS = {
+    "avxvnni": ("-mavxvnni",),
+    "avx512vnni": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"),
+    "avx2": (),
+}
+_ISA_CPU_FLAGS = {
+    "avxvnni": {"avx_vnni"},
+    "avx512vnni": {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"},
+    "avx2": set(),
+}
 
 
 SOURCES = ("qgemm.cpp", "decoder_layer.cpp")  # compiled together into one library (common.h shared)
@@ -61,19 +74,39 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SSD_CACHE_DIR") or Path.home() / ".cache" / "ssd") / "kernels"
 
 
-def _build() -> Path:
+def supported_isas() -> list[str]:
+    """The builds (keys of ISA_FLAGS) this CPU can run, best first."""
+    flags = _cpu_flags()
+    return [name for name, need in _ISA_CPU_FLAGS.items() if need <= flags]
+
+
+def isa() -> str:
+    """The build the kernels use here: ``$SSD_CPU_ISA`` if set (a key of ISA_FLAGS; ``avx2`` compares
+    against the baseline), else the best this CPU supports."""
+    forced = os.environ.get("SSD_CPU_ISA")
+    if forced:
+        if forced not in ISA_FLAGS:
+            raise ValueError(f"SSD_CPU_ISA={forced!r}: expected one of {', '.join(ISA_FLAGS)}")
+        if lacking := _ISA_CPU_FLAGS[forced] - _cpu_flags():
+            raise ValueError(f"SSD_CPU_ISA={forced!r}: this CPU lacks {', '.join(sorted(lacking))}")
+        return forced
+    return supported_isas()[0]
+
+
+def _build(isa_name: str) -> Path:
     src = b"".join(p.read_bytes() for p in [*_sources(), Path(__file__).with_name("common.h")])
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH to build the CPU kernels")
-    tag = hashlib.sha256(src + " ".join((cxx, *_FLAGS)).encode()).hexdigest()[:16]
+    flags = (*_FLAGS, *ISA_FLAGS[isa_name])
+    tag = hashlib.sha256(src + " ".join((cxx, *flags)).encode()).hexdigest()[:16]
     out = _cache_dir() / f"qgemm-{tag}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    proc = subprocess.run([cxx, *_FLAGS, "-o", tmp, *map(str, _sources())], capture_output=True, text=True)
+    proc = subprocess.run([cxx, *flags, "-o", tmp, *map(str, _sources())], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"building {', '.join(SOURCES)} failed:\n{proc.stderr[-2000:]}")
@@ -87,9 +120,15 @@ def _lib() -> ctypes.CDLL | str:
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
     try:
-        lib = ctypes.CDLL(str(_build()))  # torch (imported above) already loaded libgomp.so.1: one OpenMP pool
+        return load(isa())
     except (RuntimeError, OSError) as e:
         return str(e)
+
+
+def load(isa_name: str) -> ctypes.CDLL:
+    """The kernel library built for `isa_name` (a key of ISA_FLAGS), built first if not cached. `_lib`
+    is the one the layers use; tests load others to compare builds."""
+    lib = ctypes.CDLL(str(_build(isa_name)))  # torch (imported above) already loaded libgomp.so.1: one OpenMP pool
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.ssd_quantize_rows.argtypes = [p, i, i, i, p, p, p]
     lib.ssd_linear.argtypes = [p, i, i, i, p, p, p, i, p, i, i]

@@ -1,4 +1,4 @@
-// Block-quantised GEMM for CPU decoding (AVX2 + FMA + F16C): y[M, N] = x[M, K] @ W[N, K]^T.
+// Block-quantised GEMM for CPU decoding (AVX2 + FMA + F16C, AVX-VNNI where present): y[M, N] = x[M, K] @ W[N, K]^T.
 //
 // Weights come in blocks of 32 along K with fp16 scales (formats numbered as SsdLinear.kind):
 //   q4 (1): w = s * q + o,    q in 0..15, rows in tiles of 8 (below)
@@ -55,6 +55,19 @@ namespace {
 constexpr int QK = 32;
 constexpr int MC = 8;  // activation rows sharing one pass over a weight row
 constexpr int FMT_Q4 = 1, FMT_Q8 = 2, FMT_Q5 = 3, FMT_Q6 = 4;
+
+// sum + (4 adjacent u8 x s8 products) per int32 lane in one VNNI instruction, where the CPU has it
+// (ssd.kernels.cpu picks the build); without it the int8 dot products are maddubs (int16 lanes, which
+// these codes cannot saturate) + madd. Integer sums are exact, so both builds give the same bits.
+#if defined(__AVXVNNI__)
+#define SSD_VNNI 1
+inline __m256i dpbusd(__m256i sum, __m256i u8, __m256i s8) { return _mm256_dpbusd_avx_epi32(sum, u8, s8); }
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SSD_VNNI 1
+inline __m256i dpbusd(__m256i sum, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(sum, u8, s8); }
+#else
+#define SSD_VNNI 0
+#endif
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -135,7 +148,11 @@ inline __m256 load_scales(const uint16_t* src, int cnt) {
 // so that maddubs sees |q| as its unsigned operand.
 inline __m256i q8_block_dot(const __m256i& wabs, const __m256i& wq, const int8_t* x) {
     const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), wq);
+#if SSD_VNNI
+    return dpbusd(_mm256_setzero_si256(), wabs, xs);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
+#endif
 }
 
 // One q8 weight row against R activation rows from `a` (starting at row m0). A short last
@@ -193,7 +210,8 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, c
     constexpr int chunks = 4 / parts;  // chunks of 8 weights per scale
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
     const __m256i high_mask = _mm256_set1_epi8(FMT == FMT_Q6 ? 0x30 : 0x10);
     for (int b = 0; b < nb; ++b) {
         const uint8_t* wb = w + static_cast<size_t>(b) * block_bytes;
@@ -246,14 +264,25 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, c
                     int32_t x_lo, x_hi;  // activations 8c..8c+3 and 8c+4..8c+7
                     memcpy(&x_lo, x, 4);
                     memcpy(&x_hi, x + 4, 4);
+#if SSD_VNNI
+                    // No int16 stage: low and high nibbles go to two int32 chains (half the dependent
+                    // latency), added up below.
+                    (void)widen;
+                    sum32[i] = dpbusd(sum32[i], lo[cc], _mm256_set1_epi32(x_lo));
+                    sum16[i] = dpbusd(sum16[i], hi[cc], _mm256_set1_epi32(x_hi));
+#else
                     sum16[i] = _mm256_add_epi16(sum16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo[cc], _mm256_set1_epi32(x_lo)),
                                                                            _mm256_maddubs_epi16(hi[cc], _mm256_set1_epi32(x_hi))));
                     if (widen) {
                         sum32[i] = _mm256_add_epi32(sum32[i], _mm256_madd_epi16(sum16[i], ones));
                         sum16[i] = _mm256_setzero_si256();
                     }
+#endif
                 }
             }
+#if SSD_VNNI
+            for (int i = 0; i < R; ++i) sum32[i] = _mm256_add_epi32(sum32[i], sum16[i]);
+#endif
             const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * parts + part) * 8)));
             const __m256 o8 = FMT == FMT_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oc + b * 8)))
                                             : _mm256_mul_ps(s8, _mm256_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
