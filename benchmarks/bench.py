@@ -49,6 +49,8 @@ def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], tem
     extra = {"quantization": args.quantization} if args.quantization else {}
     if args.draft_quantization:
         extra["draft_quantization"] = None if args.draft_quantization == "none" else args.draft_quantization
+    if args.draft_vocab:
+        extra["draft_vocab"] = args.draft_vocab
     llm = LLM(target=args.target, draft=draft, mode=mode, dtype=args.dtype, k=args.k, max_batch=max(batch, 1),
               max_len=2048, use_ray=True, **kw, **extra)
     try:
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--draft-quantization", default=None, help="the draft's own (default: --quantization)")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="the draft proposes only the first N token ids")
     ap.add_argument("--k", type=int, default=None)
     ap.add_argument("--modes", default="ar,sd,ngram,ssd,auto")
     ap.add_argument("--placements", default="a,b")

@@ -92,6 +92,9 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                    help="int8/int4: weight-only linears; w4a8/w8a8: + int8 activations (AVX2 kernel, fastest on CPU)")
     g.add_argument("--draft-quantization", choices=("same", "none", "int8", "int4", "w4a8", "w8a8"),
                    help="the draft's quantisation (default: same as --quantization; the output stays lossless)")
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="the draft proposes only the first N token ids (+ end-of-sequence): a cheaper draft step, "
+                        "still lossless")
     g.add_argument("--linear-kernel", choices=("auto", "dense", "torch"),
                    help="unquantised CPU linears: the dense C kernel (bf16/fp32 weights, batch invariant; the "
                         "default where it builds) or torch's F.linear")
@@ -216,6 +219,8 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["quantization"] = args.quantization
     if args.draft_quantization:
         kw["draft_quantization"] = None if args.draft_quantization == "none" else args.draft_quantization
+    if args.draft_vocab is not None:
+        kw["draft_vocab"] = args.draft_vocab
     if args.linear_kernel:
         kw["linear_kernel"] = args.linear_kernel
     if args.cuda_graphs is False:

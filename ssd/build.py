@@ -84,7 +84,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
         # Worker kwargs beyond dtype/device/slots/len/threads/cores: keep in step with the local path below.
         common = dict(quantization=cfg.quantization, linear_kernel=cfg.linear_kernel, cuda_graphs=cfg.cuda_graphs)
         draft_kwargs = dict(common, max_len=cfg.max_len + draft_headroom(cfg), saguaro_c=cfg.saguaro_c,
-                            quantization=cfg.draft_quantization)
+                            quantization=cfg.draft_quantization, draft_vocab=cfg.draft_vocab)
         rtarget, rdraft, rinfo, rtok = place_workers(cfg, target_kwargs=common, draft_kwargs=draft_kwargs)
         return _assemble(cfg, rtarget, rdraft, rinfo, rtok, [h for h in (rtarget, rdraft) if h is not None])
 
@@ -106,7 +106,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
             cfg.draft, dtype=cfg.dtype, device=cfg.draft_device or cfg.device, max_slots=max_slots,
             max_len=cfg.max_len + draft_headroom(cfg), num_threads=cfg.draft_threads, cpu_cores=cfg.draft_cores,
             saguaro_c=cfg.saguaro_c, quantization=cfg.draft_quantization, linear_kernel=cfg.linear_kernel,
-            cuda_graphs=cfg.cuda_graphs,
+            cuda_graphs=cfg.cuda_graphs, draft_vocab=cfg.draft_vocab,
         )
         dinfo = draft_w.info()
         if dinfo["vocab_size"] != info["vocab_size"]:

@@ -25,6 +25,9 @@ class Config:
     # The draft's own quantisation ("same" = `quantization`): any draft keeps the output lossless,
     # so a cheaper draft (e.g. w4a8 under a bf16 target) only changes the speed.
     draft_quantization: str | None = "same"
+    # Restrict the draft's output layer to the first `draft_vocab` token ids (+ end-of-sequence): a cheaper
+    # draft step, still lossless (verification uses the restricted q); None = the whole vocabulary.
+    draft_vocab: int | None = None
     linear_kernel: str = "auto"  # unquantised CPU linears: "dense" (C kernel, batch invariant), "torch", "auto"
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode, verification and tree steps
     k: int | None = None  # draft length; None = chosen from measured latencies
@@ -67,6 +70,8 @@ class Config:
                 f"unknown draft_quantization {self.draft_quantization!r}; use 'same', None or one of "
                 f"{', '.join(QUANT_MODES)}"
             )
+        if self.draft_vocab is not None and not (isinstance(self.draft_vocab, int) and self.draft_vocab >= 1):
+            raise ValueError(f"draft_vocab must be a positive integer or None, got {self.draft_vocab!r}")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; use one of {', '.join(LINEAR_KERNELS)}")
         if self.quantization not in QUANTIZATIONS:

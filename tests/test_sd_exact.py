@@ -52,6 +52,18 @@ def test_draft_equal_to_target_is_exact_and_accepts_everything(target):
     assert st["acceptance_rate"] > 0.999  # p / q == 1 for every draft token
 
 
+def test_draft_restricted_to_half_the_vocabulary_is_exact(target):
+    """The target itself as the draft, but proposing only tokens 0..7: p / q is no longer 1 everywhere
+    (acceptance drops below 1), and the output distribution is still the target's."""
+    exact = exact_continuation_probs(target, PROMPT, 2, SamplingParams(temperature=1.0))
+    with LLM(target=target, draft=target, mode="sd", k=3, draft_vocab=8, dtype="float32", max_batch=64,
+             max_len=64) as llm:
+        samples = sample_continuations(llm, PROMPT, 2, SamplingParams(temperature=1.0), N_SAMPLES, 21)
+        st = llm.stats()
+    assert chi_square_pvalue(samples, exact) > 1e-3
+    assert 0.2 < st["acceptance_rate"] < 0.95
+
+
 def wrong_verify_greedy_match(draft_tokens, num_draft, p_target, q_draft, u_accept, u_sample):
     """NOT lossless: accept a draft token iff it is the target's argmax; sample the correction from p."""
     B, K1, _ = p_target.shape

@@ -41,6 +41,10 @@ CASES = {
     ),
     "random_backup": (dict(k=2, backup="random", saguaro_c=0.5), SamplingParams(temperature=1.0)),
     "uniform_fanout": (dict(k=2, backup="neural", fanout_kind="uniform", fanout=6), SamplingParams(temperature=1.0)),
+    # The draft proposes only tokens 0..7 (q = 0 for the rest): verification uses that q, so still exact.
+    "restricted_draft_vocab": (
+        dict(k=2, backup="neural", saguaro_c=0.5, draft_vocab=8), SamplingParams(temperature=1.0)
+    ),
 }
 
 

@@ -10,6 +10,7 @@ the prefix.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from ssd.cache.outcome_cache import CacheEntry, OutcomeCache
 from ssd.kernels.sampling import filter_logits, saguaro_probs, sample_from_probs
 from ssd.workers.base import ModelWorker
 from ssd.workers.messages import Draft, SamplingSpec
+from ssd.workers.models.vocab_subset import draft_vocab_ids, restrict_head
 from ssd.workers.seq_state import make_generator
 
 
@@ -59,13 +61,25 @@ class Resolution:
 class DraftWorker(ModelWorker):
     salt = 2
 
-    def __init__(self, *args, saguaro_c: float = 1.0, **kwargs) -> None:
+    def __init__(self, *args, saguaro_c: float = 1.0, draft_vocab: int | None = None, **kwargs) -> None:
+        self.draft_vocab = draft_vocab  # read by load_model, which the base class calls
         super().__init__(*args, **kwargs)
         self.dseqs: dict[int, DraftSeq] = {}
         self.cache = OutcomeCache()
         self.saguaro_c = saguaro_c
         self.last_propose_s = 0.0
         self.last_speculate_s = 0.0
+
+    def load_model(self, model, dtype, device, quantization):
+        """The draft model; with `draft_vocab`, its output layer keeps only the first `draft_vocab` token
+        ids and the end-of-sequence ids (q = 0 for the rest: still lossless, see vocab_subset.py)."""
+        built, tokenizer = super().load_model(model, dtype, device, quantization)
+        if self.draft_vocab is not None and self.draft_vocab < built.config.vocab_size:
+            if built is model:  # a caller's module: restrict a copy
+                built = copy.deepcopy(built)
+            keep = draft_vocab_ids(built.config.vocab_size, self.draft_vocab, list(built.config.eos_token_ids))
+            restrict_head(built, keep)
+        return built, tokenizer
 
     # -- sequences ---------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec) -> None:

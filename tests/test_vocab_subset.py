@@ -1,0 +1,73 @@
+"""A draft restricted to part of the vocabulary: the kept rows' logits are the full head's, the rest are
+-inf, and SD/SSD stay exact (greedy == AR; chi-square under sampling in test_sd_exact/test_ssd_exact)."""
+
+import pytest
+import torch
+from tiny_models import GREEDY, PROMPTS, random_model
+
+from ssd import LLM
+from ssd.kernels import cpu as qk
+from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
+from ssd.workers.models.quant import Int8Linear
+from ssd.workers.models.vocab_subset import SubsetHead, draft_vocab_ids, head_rows, restrict_head
+
+KEEP = torch.tensor([0, 1, 2, 5, 8, 13, 21, 34, 40, 47])
+
+
+def _heads():
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    heads = {"nn.Linear": torch.nn.Linear(64, 48), "int8": Int8Linear.from_float(w, b)}
+    with torch.no_grad():
+        heads["nn.Linear"].weight.copy_(w)
+        heads["nn.Linear"].bias.copy_(b)
+    if qk.available():
+        for cls in (W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear):
+            heads[cls.__name__] = cls.from_float(w, b, torch.float32)
+    return heads
+
+
+@pytest.mark.parametrize("name", list(_heads()))
+def test_kept_rows_give_the_full_heads_logits(name):
+    head = _heads()[name]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    full = head(x)
+    sub = SubsetHead(head_rows(head, KEEP), KEEP, 48)(x)  # [5, 48]
+    assert sub.shape == full.shape
+    if name == "nn.Linear":  # F.linear's summation order may depend on the number of rows
+        torch.testing.assert_close(sub[:, KEEP], full[:, KEEP])
+    else:  # row-independent kernels: the same bits
+        assert torch.equal(sub[:, KEEP], full[:, KEEP])
+    dropped = torch.ones(48, dtype=torch.bool)
+    dropped[KEEP] = False
+    assert torch.isneginf(sub[:, dropped]).all()
+
+
+def test_draft_vocab_ids_and_bad_input():
+    assert draft_vocab_ids(100, 4, [99, 500]).tolist() == [0, 1, 2, 3, 99]  # eos kept, out-of-range dropped
+    model = random_model(vocab=40, layers=1, seed=4)
+    with pytest.raises(ValueError, match="sorted, unique"):
+        restrict_head(model, torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match="sorted, unique"):
+        restrict_head(model, torch.tensor([1, 40]))
+    restrict_head(model, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="already restricted"):
+        restrict_head(model, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="draft_vocab"):
+        LLM(target=model, draft=model, draft_vocab=0)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd", "auto"])
+def test_restricted_draft_greedy_equals_ar(models, ar_outputs, mode):
+    """Half the vocabulary: drafts miss more often, the output is still AR's. The caller's draft module is
+    left untouched (the worker restricts a copy)."""
+    draft = models[1]
+    head = draft.lm_head
+    with LLM(target=models[0], draft=draft, mode=mode, k=3, draft_vocab=20, dtype="float32", max_batch=3,
+             max_len=128) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        st = llm.stats()
+    assert [o.token_ids for o in outs] == ar_outputs
+    assert draft.lm_head is head
+    if mode != "auto":
+        assert st["drafted_tokens"] > 0
