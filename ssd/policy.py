@@ -113,11 +113,15 @@ def choose(
     k: int,
     allowed: tuple[str, ...] = OPTIONS,
     ngram: tuple[float, int] | None = None,
+    prepared: float = 1.0,
 ) -> tuple[str, dict[str, float]]:
     """Return the option with the lowest expected seconds per emitted token, and all the scores.
 
     `ngram`: (acceptance, draft length) of this round's n-gram drafts, from the lookups' match lengths;
     without it n-gram SD is priced at the overall n-gram acceptance and length k.
+    `prepared`: the share of sequences whose speculation for this round is ready (an SSD round just
+    ran). The others must first be drafted: just in time by the draft model (SSD with the neural
+    backup) or by lookup (the fast backup), so switching into SSD costs what it really does.
     """
     a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.p_hit.value
     e_sd = expected_tokens(a, k)
@@ -132,8 +136,9 @@ def choose(
     scores["sd"] = (t_draft + t_ver) / (batch * e_sd)
     # SSD: speculation overlaps verification; a miss costs the backup's latency.
     overlap = max(t_ver, cost.speculate.value)
-    scores["ssd_neural"] = (overlap + (1 - all_hit) * t_draft) / (batch * e_sd)
-    tok_fast = batch * (p * e_sd + (1 - p) * e_fast)
+    catch_up = t_draft if prepared < 1.0 else 0.0  # one batched just-in-time draft for the unprepared
+    scores["ssd_neural"] = (overlap + (1 - all_hit) * t_draft + catch_up) / (batch * e_sd)
+    tok_fast = batch * (prepared * (p * e_sd + (1 - p) * e_fast) + (1 - prepared) * e_fast)
     scores["ssd_fast"] = overlap / tok_fast
     # n-gram SD: verification only; drafting is a lookup (the draft model speculates meanwhile only
     # when that fits inside the verification).

@@ -93,6 +93,21 @@ def test_policy_batch1_high_hit_rate_chooses_ssd():
     assert scores[best] < scores["sd"] < scores["ar"]
 
 
+def test_policy_prices_the_draft_an_unprepared_ssd_round_needs_first():
+    """After AR / SD / n-gram rounds no speculation is ready: an SSD round then drafts just in time
+    (neural) or by lookup (fast) first. Steady-state SSD beats AR here; switching into it does not."""
+    c = costs(v0=0.12, v1=0.01, draft_step=0.05, speculate=0.12, a=0.5, p_hit=0.5, a_fast=0.1)
+    allowed = ("ssd_neural", "ssd_fast", "ar")
+    best, ready = choose(c, batch=1, k=3, allowed=allowed)
+    assert best.startswith("ssd")
+    best, cold = choose(c, batch=1, k=3, allowed=allowed, prepared=0.0)
+    assert best == "ar"
+    e_sd, e_fast = expected_tokens(0.5, 3), expected_tokens(0.1, 3)
+    assert cold["ssd_neural"] - ready["ssd_neural"] == pytest.approx(3 * 0.05 / e_sd)  # one 3-step draft
+    assert cold["ssd_fast"] == pytest.approx(max(c.verify_time(4), 0.12) / e_fast)  # this round's drafts: lookups
+    assert cold["ar"] == ready["ar"]
+
+
 def test_policy_large_batch_stops_speculating():
     # compute-bound verification: cost grows with every scored token
     c = costs(v0=0.01, v1=0.004, draft_step=0.05, speculate=0.3, a=0.6, p_hit=0.7)

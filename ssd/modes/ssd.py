@@ -94,7 +94,8 @@ class SSDMode(DraftBackedMode):
             choice, self.last_scores = self.allowed[0], {}
         else:
             ngram = self._ngram_plan(seqs) if "ngram" in self.allowed else None
-            choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram)
+            prepared = sum(s.seq_id in self.current for s in seqs) / len(seqs)
+            choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared)
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up.
             self._rounds_since_explore += 1
             if self._rounds_since_explore >= EXPLORE_EVERY:
