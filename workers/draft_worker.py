@@ -20,6 +20,7 @@ from ssd.cache.outcome_cache import CacheEntry, OutcomeCache
 from ssd.kernels.sampling import filter_logits, saguaro_probs, sample_from_probs
 from ssd.workers.base import ModelWorker
 from ssd.workers.messages import Draft, SamplingSpec
+from ssd.workers.models.decoder import DecoderModel
 from ssd.workers.models.vocab_subset import draft_vocab_ids, restrict_head
 from ssd.workers.seq_state import make_generator
 
@@ -70,7 +71,9 @@ class DraftWorker(ModelWorker):
         self.last_propose_s = 0.0
         self.last_speculate_s = 0.0
 
-    def load_model(self, model, dtype, device, quantization):
+    def load_model(
+        self, model: str | DecoderModel, dtype: torch.dtype, device: str, quantization: str | None
+    ) -> tuple[DecoderModel, object | None]:
         """The draft model; with `draft_vocab`, its output layer keeps only the first `draft_vocab` token
         ids and the end-of-sequence ids (q = 0 for the rest: still lossless, see vocab_subset.py)."""
         built, tokenizer = super().load_model(model, dtype, device, quantization)
