@@ -141,9 +141,10 @@ def test_generate(models, tmp_path):
     inp.write_text(json.dumps({"prompt": "def fib(n):", "id": "p1"}) + "\n"
                    + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     out = tmp_path / "out.jsonl"
+    # --draft-vocab: the draft proposes only ids < 100 (+ eos); lossless, so the output below is unchanged
     r = run("generate", "--target", target, "--draft", draft, "--mode", "sd", "--dtype", "float32",
-            "--max-len", "256", "--temperature", "0", "--max-tokens", "12", "--input", str(inp),
-            "--output", str(out), "hello world")
+            "--max-len", "256", "--temperature", "0", "--max-tokens", "12", "--draft-vocab", "100",
+            "--input", str(inp), "--output", str(out), "hello world")
     assert r.returncode == 0, r.stderr
     metrics_lines = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith('{"index"')]
     assert [m["index"] for m in metrics_lines] == [0, 1, 2]
