@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ssd.policy import RateEma, acceptance_counts
+
 
 def round_keep_sum(x: list[float], total: int) -> list[int]:
     """Largest-remainder rounding: integers within 1 of x that sum exactly to `total`."""
@@ -66,7 +68,7 @@ class FanoutPlanner:
     r_default: float = 1.0
     a_default: float = 0.7
     ema: float = 0.2
-    _a: dict[tuple[int, str], float] = field(default_factory=dict)
+    _a: dict[tuple[int, str], RateEma] = field(default_factory=dict)
     _hit_obs: dict[int, list[int]] = field(default_factory=dict)  # F -> [hits, total]
 
     def __post_init__(self) -> None:
@@ -74,16 +76,15 @@ class FanoutPlanner:
             raise ValueError(f"an explicit fan-out needs K + 1 = {self.K + 1} entries, got {len(self.explicit)}")
 
     def acceptance(self, seq_id: int, source: str) -> float:
-        return self._a.get((seq_id, source), self._a.get((-1, source), self.a_default))
+        ema = self._a.get((seq_id, source), self._a.get((-1, source)))
+        return self.a_default if ema is None else ema.value
 
     def observe_round(self, seq_id: int, source: str, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
-        # Per-token acceptance from a truncated-geometric round: accepted / (accepted + rejections).
-        rate = accepted / (accepted + (1 if accepted < drafted else 0))
+        counts = acceptance_counts(drafted, accepted)  # pooled over rounds: accepted tokens / trials
         for key in ((seq_id, source), (-1, source)):
-            prev = self._a.get(key, self.a_default)
-            self._a[key] = (1 - self.ema) * prev + self.ema * rate
+            self._a.setdefault(key, RateEma(self.a_default, self.ema)).update(*counts)
 
     def observe_hit(self, fanout_at_k: int, hit: bool) -> None:
         if fanout_at_k <= 0:

@@ -18,6 +18,12 @@ NGRAM_PRIOR = 4  # rounds of evidence the overall n-gram rate counts for in a pe
 # (drafts paying above 17 %, true rate 5 %: n-gram taken in ~13 % of rounds at alpha 0.2, ~2 % at 0.05;
 # tests/test_ngram.py).
 NGRAM_ALPHA = 0.05
+# The neural draft's acceptance and the hit rate, per round: a fast average of a ~50 % hit rate swings
+# by +-0.17 (one sd), and once a dip prices SSD above AR the policy stops running it, so the estimate
+# stays low (seen on MT-Bench: p_hit 0.28 for the rest of a prompt where SSD alone hit 48 %).
+RATE_ALPHA = 0.05
+SWITCH_HORIZON = 4  # rounds a switch into SSD is expected to last: its one-off catch-up is spread over them
+CALIBRATION_RANGE = (0.5, 2.0)  # how far measured round times may move an option's modelled price
 
 
 @dataclass
@@ -32,6 +38,44 @@ class Ema:
 
 
 @dataclass
+class RateEma:
+    """A rate as successes / trials, each a moving average, starting from `prior` as `weight` trials' worth
+    (one unlucky first round must not set a hit rate to 0, which the policy would then never re-try).
+    Averaging each round's own ratio instead is biased low for acceptance: a round of k drafts scores
+    0, 1/2, ..., 1, and at a true 0.7 with k = 2 those average 0.6 (the first rejection ends a round,
+    so short rounds are over-weighted)."""
+
+    prior: float
+    alpha: float = 0.2
+    weight: float = 1.0
+    n: int = 0
+    successes: float = field(init=False)
+    trials: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.successes, self.trials = self.prior * self.weight, self.weight
+
+    @property
+    def value(self) -> float:
+        return self.successes / self.trials if self.trials > 0 else self.prior
+
+    def update(self, successes: float, trials: float) -> None:
+        if trials <= 0:
+            return
+        self.successes = (1 - self.alpha) * self.successes + self.alpha * successes
+        self.trials = (1 - self.alpha) * self.trials + self.alpha * trials
+        self.n += 1
+
+
+def acceptance_counts(drafted: int, accepted: int) -> tuple[int, int]:
+    """(successes, trials) of one draft of `drafted` tokens: every accepted token, and the first rejected
+    one when there is one. A round without a draft (no n-gram match) counts as one failed trial."""
+    if drafted <= 0:
+        return 0, 1
+    return accepted, accepted + (1 if accepted < drafted else 0)
+
+
+@dataclass
 class CostModel:
     """Online estimates, all in seconds. Verification: t_v(n) = v0 + v1 * n for n scored tokens."""
 
@@ -39,12 +83,16 @@ class CostModel:
     v1: Ema = field(default_factory=lambda: Ema(0.002))
     draft_step: Ema = field(default_factory=lambda: Ema(0.02))  # one batched draft forward
     speculate: Ema = field(default_factory=lambda: Ema(0.08))  # SSD draft work for one round
-    acceptance: Ema = field(default_factory=lambda: Ema(0.7))  # per-token, neural draft
-    fast_acceptance: Ema = field(default_factory=lambda: Ema(0.2))  # per-token, fast backup / n-gram drafts
-    p_hit: Ema = field(default_factory=lambda: Ema(0.5))  # per-sequence hit rate
+    acceptance: RateEma = field(default_factory=lambda: RateEma(0.7, RATE_ALPHA))  # per-token, neural draft
+    fast_acceptance: RateEma = field(default_factory=lambda: RateEma(0.2))  # per-token, fast backup / n-gram
+    p_hit: RateEma = field(default_factory=lambda: RateEma(0.5, RATE_ALPHA))  # per-sequence hit rate
     # n-gram acceptance by the length of the suffix the lookup matched: code copied from the prompt
     # matches 4 tokens and is accepted nearly always, prose matching 1-2 tokens rarely.
-    ngram_by_match: dict[int, Ema] = field(default_factory=dict)
+    ngram_by_match: dict[int, RateEma] = field(default_factory=dict)
+    # Per option, measured / predicted seconds of steady rounds: corrects what the model leaves out (host
+    # and RPC time per round, a neural backup's catch-up feed), which decides close calls (on MT-Bench
+    # AR, SD and SSD are within ~15 % of each other).
+    calibration: dict[str, RateEma] = field(default_factory=dict)
 
     def seed(self, t_verify: dict[int, float], draft_step: float | None = None, speculate: float | None = None) -> None:
         """Start from latencies measured at start-up instead of the generic defaults (each counts as one
@@ -80,10 +128,25 @@ class CostModel:
             return self.fast_acceptance.value
         return (n * ema.value + NGRAM_PRIOR * self.fast_acceptance.value) / (n + NGRAM_PRIOR)
 
-    def observe_ngram(self, match: int, rate: float) -> None:
-        self.fast_acceptance.update(rate)
+    def observe_ngram(self, match: int, drafted: int, accepted: int) -> None:
+        """An n-gram draft of `drafted` tokens (looked up with a `match`-token suffix) had `accepted` accepted."""
+        counts = acceptance_counts(drafted, accepted)
+        self.fast_acceptance.update(*counts)
         if match > 0:
-            self.ngram_by_match.setdefault(match, Ema(rate, alpha=NGRAM_ALPHA)).update(rate)
+            # No prior inside: ngram_acceptance blends in the overall rate itself.
+            ema = self.ngram_by_match.setdefault(match, RateEma(0.0, alpha=NGRAM_ALPHA, weight=0.0))
+            ema.update(*counts)
+
+    def observe_round(self, option: str, predicted: float, seconds: float, tokens: int) -> None:
+        """A round of `option` took `seconds` for `tokens` tokens where the model predicted `predicted`
+        seconds per token (uncalibrated). Only steady rounds: not a switch's first round, which
+        choose() prices apart."""
+        if tokens > 0 and predicted > 0:
+            self.calibration.setdefault(option, RateEma(1.0, RATE_ALPHA)).update(seconds, predicted * tokens)
+
+    def calibration_factor(self, option: str) -> float:
+        ema = self.calibration.get(option)
+        return 1.0 if ema is None else min(max(ema.value, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
 
     def verify_time(self, n_tokens: int) -> float:
         return max(self.v0.value + self.v1.value * n_tokens, 1e-6)
@@ -116,13 +179,16 @@ def choose(
     ngram: tuple[float, int] | None = None,
     prepared: float = 1.0,
 ) -> tuple[str, dict[str, float]]:
-    """Return the option with the lowest expected seconds per emitted token, and all the scores.
+    """Return the option with the lowest expected seconds per emitted token, and all the scores
+    (calibrated by each option's measured / predicted round times).
 
     `ngram`: (acceptance, draft length) of this round's n-gram drafts, from the lookups' match lengths;
     without it n-gram SD is priced at the overall n-gram acceptance and length k.
     `prepared`: the share of sequences whose speculation for this round is ready (an SSD round just
     ran). The others must first be drafted: just in time by the draft model (SSD with the neural
-    backup) or by lookup (the fast backup), so switching into SSD costs what it really does.
+    backup) or by lookup (the fast backup). That one-off cost is spread over the SWITCH_HORIZON rounds
+    a switch is expected to last: charged to one round, it kept the policy out of SSD for good on
+    prompts where steady-state SSD beat AR (MT-Bench); not charged at all, the policy flapped.
     """
     a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.p_hit.value
     e_sd = expected_tokens(a, k)
@@ -137,13 +203,16 @@ def choose(
     scores["sd"] = (t_draft + t_ver) / (batch * e_sd)
     # SSD: speculation overlaps verification; a miss costs the backup's latency.
     overlap = max(t_ver, cost.speculate.value)
+    h = SWITCH_HORIZON
     catch_up = t_draft if prepared < 1.0 else 0.0  # one batched just-in-time draft for the unprepared
-    scores["ssd_neural"] = (overlap + (1 - all_hit) * t_draft + catch_up) / (batch * e_sd)
-    tok_fast = batch * (prepared * (p * e_sd + (1 - p) * e_fast) + (1 - prepared) * e_fast)
-    scores["ssd_fast"] = overlap / tok_fast
+    scores["ssd_neural"] = (overlap + (1 - all_hit) * t_draft + catch_up / h) / (batch * e_sd)
+    steady_fast = p * e_sd + (1 - p) * e_fast  # tokens per sequence and round
+    first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
+    scores["ssd_fast"] = h * overlap / (batch * (first_fast + (h - 1) * steady_fast))
     # n-gram SD: verification only; drafting is a lookup (the draft model speculates meanwhile only
     # when that fits inside the verification).
     a_ngram, k_ngram = ngram if ngram is not None else (a_fast, k)
     scores["ngram"] = cost.verify_time(batch * (k_ngram + 1)) / (batch * expected_tokens(a_ngram, k_ngram))
+    scores = {o: t * cost.calibration_factor(o) for o, t in scores.items()}
     best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])
     return best, scores

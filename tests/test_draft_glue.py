@@ -61,3 +61,26 @@ def test_short_glue_fills_the_same_cache(models, spec, fanout, first_rows):
             if g[key][2] is not None:
                 assert g[key][2].equal(e[key][2])
     assert want_rows == [K + 1] * 3 and got_rows == [first_rows] * 3
+
+
+def test_feed_ahead_commits_draft_what_lazy_ones_do(models):
+    """Commits that feed ahead (SSD's AR rounds) leave at most FEED_AHEAD_LAG tokens for the next call to
+    feed, and the greedy drafts after them equal those after lazy commits. (Sampled drafts may differ at
+    rounding level: this eager float32 model is not batch-invariant. Either way verification uses the q
+    the draft sampled from; the chi-square tests cover auto switching through AR rounds.)"""
+    from ssd.workers.draft_worker import FEED_AHEAD_LAG
+
+    emitted = [[7], [2], [9, 4], [1], [5], [3], [8], [6]]
+    results, feeds = [], []
+    for feed_ahead in (True, False):
+        w = DraftWorker(models[1], dtype="float32", max_slots=1, max_len=128)
+        w.add(0, PROMPT, SamplingSpec(temperature=0))
+        w.propose([(0, K)])
+        for toks in emitted:
+            w.commit(0, toks, feed_ahead)
+        fed = rows_fed(w)
+        drafts, _ = w.propose([(0, K)])
+        feeds.append(fed[0])
+        results.append(drafts[0].tokens)
+    assert results[0] == results[1]
+    assert 1 <= feeds[0] <= FEED_AHEAD_LAG and feeds[1] == 9  # the lazy draft catches up on all 9 at once

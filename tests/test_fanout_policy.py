@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from ssd import policy
 from ssd.fanout import FanoutPlanner, expected_hit_rate, geometric_fanout, geometric_weights, round_keep_sum
 from ssd.policy import CostModel, Ema, choose, expected_tokens
 
@@ -95,16 +96,21 @@ def test_policy_batch1_high_hit_rate_chooses_ssd():
 
 def test_policy_prices_the_draft_an_unprepared_ssd_round_needs_first():
     """After AR / SD / n-gram rounds no speculation is ready: an SSD round then drafts just in time
-    (neural) or by lookup (fast) first. Steady-state SSD beats AR here; switching into it does not."""
+    (neural) or by lookup (fast) first, a one-off cost spread over the SWITCH_HORIZON rounds a switch
+    lasts. Steady-state neural SSD beats AR here by less than that: a switch into it does not pay."""
+    h = policy.SWITCH_HORIZON
     c = costs(v0=0.12, v1=0.01, draft_step=0.05, speculate=0.12, a=0.5, p_hit=0.5, a_fast=0.1)
-    allowed = ("ssd_neural", "ssd_fast", "ar")
-    best, ready = choose(c, batch=1, k=3, allowed=allowed)
-    assert best.startswith("ssd")
-    best, cold = choose(c, batch=1, k=3, allowed=allowed, prepared=0.0)
+    neural = ("ssd_neural", "ar")
+    best, ready = choose(c, batch=1, k=3, allowed=neural)
+    assert best == "ssd_neural"
+    best, cold = choose(c, batch=1, k=3, allowed=neural, prepared=0.0)
     assert best == "ar"
     e_sd, e_fast = expected_tokens(0.5, 3), expected_tokens(0.1, 3)
-    assert cold["ssd_neural"] - ready["ssd_neural"] == pytest.approx(3 * 0.05 / e_sd)  # one 3-step draft
-    assert cold["ssd_fast"] == pytest.approx(max(c.verify_time(4), 0.12) / e_fast)  # this round's drafts: lookups
+    assert cold["ssd_neural"] - ready["ssd_neural"] == pytest.approx(3 * 0.05 / (h * e_sd))  # a 3-step draft
+    steady = 0.5 * e_sd + 0.5 * e_fast  # fast: the first round's drafts are lookups, the rest as usual
+    overlap = max(c.verify_time(4), 0.12)
+    assert ready["ssd_fast"] == pytest.approx(overlap / steady)
+    assert cold["ssd_fast"] == pytest.approx(h * overlap / (e_fast + (h - 1) * steady))
     assert cold["ar"] == ready["ar"]
 
 
@@ -282,3 +288,23 @@ def test_auto_starts_from_the_measured_latencies():
              mode="auto", dtype="float32", max_batch=1, max_len=128) as llm:
         cost = llm.engine.mode.cost
         assert min(cost.v0.n, cost.v1.n, cost.draft_step.n, cost.speculate.n) == 1  # seeded, no round run yet
+
+
+def test_measured_round_times_correct_the_modelled_prices():
+    """Rounds that take longer than the model says (host time, a backup's catch-up) raise that option's
+    price by the measured ratio, within CALIBRATION_RANGE; AR measured as modelled keeps its price."""
+    c = costs(v0=0.12, v1=0.01, draft_step=0.05, speculate=0.12, a=0.5, p_hit=0.9)
+    allowed = ("ssd_neural", "ar")
+    best, before = choose(c, batch=1, k=3, allowed=allowed)
+    assert best == "ssd_neural" and before["ssd_neural"] * 1.6 > before["ar"]
+    for _ in range(300):
+        c.observe_round("ssd_neural", before["ssd_neural"], 1.6 * before["ssd_neural"] * 2, 2)
+        c.observe_round("ar", before["ar"], before["ar"], 1)
+    best, after = choose(c, batch=1, k=3, allowed=allowed)
+    assert best == "ar"
+    assert after["ssd_neural"] == pytest.approx(1.6 * before["ssd_neural"], rel=0.01)
+    assert after["ar"] == pytest.approx(before["ar"], rel=0.01)
+    for _ in range(300):
+        c.observe_round("ar", before["ar"], 5 * before["ar"], 1)
+    clamped = choose(c, batch=1, k=3, allowed=allowed)[1]["ar"]
+    assert clamped == pytest.approx(policy.CALIBRATION_RANGE[1] * before["ar"])

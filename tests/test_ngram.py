@@ -5,7 +5,7 @@ import random
 import pytest
 
 from ssd import policy
-from ssd.policy import CostModel, Ema, best_draft_len, choose
+from ssd.policy import CostModel, Ema, RateEma, acceptance_counts, best_draft_len, choose
 from ssd.workers.ngram import ngram_match, ngram_propose, ref_ngram_propose
 
 
@@ -44,26 +44,27 @@ def seeded_costs() -> CostModel:
 
 def test_ngram_acceptance_is_kept_per_match_length():
     c = seeded_costs()
-    c.fast_acceptance = Ema(0.3)
+    c.fast_acceptance = RateEma(0.3)
     assert c.ngram_acceptance(0) == 0.0 and c.ngram_acceptance(4) == 0.3  # no data for 4 yet: the overall rate
     for _ in range(30):
-        c.observe_ngram(4, 0.97)
-        c.observe_ngram(1, 0.05)
+        c.observe_ngram(4, 4, 4)  # long matches: every token accepted
+        c.observe_ngram(1, 3, 0)  # short ones: the first token rejected
     overall = c.fast_acceptance.value
-    assert 0.3 < overall < 0.7
-    assert c.ngram_acceptance(4) > 0.85 and c.ngram_acceptance(1) < 0.15
+    assert 0.7 < overall < 0.85  # ~4 of 5 trials (the latest round weighs most)
+    assert c.ngram_acceptance(4) > 0.9 and c.ngram_acceptance(1) < 0.2
     assert c.ngram_acceptance(2) == pytest.approx(overall)  # unseen length: the overall rate
-    c.observe_ngram(3, 1.0)  # one lucky round moves the estimate, but does not make it certain
-    assert c.fast_acceptance.value < c.ngram_acceptance(3) < 0.75
-    c.observe_ngram(0, 0.0)  # no lookup match: only the overall rate moves
-    assert 0 not in c.ngram_by_match
+    c.observe_ngram(3, 1, 1)  # one lucky round moves the estimate, but does not make it certain
+    overall = c.fast_acceptance.value
+    assert c.ngram_acceptance(3) == pytest.approx((1.0 + policy.NGRAM_PRIOR * overall) / (1 + policy.NGRAM_PRIOR))
+    c.observe_ngram(0, 0, 0)  # no lookup match: only the overall rate moves
+    assert 0 not in c.ngram_by_match and c.fast_acceptance.value < overall
 
 
 def test_policy_takes_ngram_for_long_matches_only():
     c = seeded_costs()
     for _ in range(10):
-        c.observe_ngram(4, 0.97)
-        c.observe_ngram(1, 0.05)
+        c.observe_ngram(4, 8, 8)
+        c.observe_ngram(1, 1, 0)
     long_a, short_a = c.ngram_acceptance(4), c.ngram_acceptance(1)
     k_long, k_short = best_draft_len(c, long_a, 1, 8), best_draft_len(c, short_a, 1, 8)
     assert k_long > k_short
@@ -82,7 +83,7 @@ def _ngram_share(true_rate: float, seed: int = 0, rounds: int = 2000) -> float:
     for i in range(rounds):
         if i >= 50 and choose(c, 1, 3, allowed=("ar", "ngram"), ngram=(c.ngram_acceptance(1), 1))[0] == "ngram":
             taken += 1
-        c.observe_ngram(1, 1.0 if rng.random() < true_rate else 0.0)
+        c.observe_ngram(1, 1, 1 if rng.random() < true_rate else 0)
     return taken / (rounds - 50)
 
 
@@ -103,3 +104,30 @@ def test_best_draft_len_grows_with_acceptance():
     for a, k in zip((0.3, 0.9), (ks[1], ks[4])):  # the chosen length is the cheapest per token
         per_token = [c.verify_time(j + 1) / ((1 - a ** (j + 1)) / (1 - a)) for j in range(1, 9)]
         assert per_token[k - 1] == min(per_token)
+
+
+@pytest.mark.parametrize("true_rate,k", [(0.7, 2), (0.5, 4), (0.9, 3)])
+def test_acceptance_estimate_is_unbiased(true_rate, k):
+    """Rounds of k drafts, each accepted with probability true_rate until the first rejection: the pooled
+    estimate lands on the true rate. Negative control: the average of each round's own ratio, the old
+    estimate, is biased low by more than the tolerance."""
+    rng = random.Random(1)
+    pooled, per_round = RateEma(0.5, alpha=0.01), Ema(0.5, alpha=0.01)
+    for _ in range(20000):
+        accepted = next((i for i in range(k) if rng.random() >= true_rate), k)
+        successes, trials = acceptance_counts(k, accepted)
+        pooled.update(successes, trials)
+        per_round.update(successes / trials)
+    assert pooled.value == pytest.approx(true_rate, abs=0.03)
+    assert per_round.value < true_rate - 0.05
+
+
+def test_one_unlucky_round_does_not_zero_a_rate():
+    """The hit rate starts from its prior as one trial's worth: a first miss lowers it (so the policy can
+    still re-try SSD later), a run of misses takes it to zero."""
+    c = CostModel()
+    c.p_hit.update(0, 1)
+    assert c.p_hit.value == pytest.approx((1 - policy.RATE_ALPHA) * 0.5)
+    for _ in range(150):
+        c.p_hit.update(0, 1)
+    assert c.p_hit.value < 0.01

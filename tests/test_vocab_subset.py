@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny_models import GREEDY, PROMPTS, random_model
 
-from ssd import LLM
+from ssd import LLM, SamplingParams
 from ssd.kernels import cpu as qk
 from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
 from ssd.workers.models.quant import Int8Linear
@@ -32,7 +32,9 @@ def test_kept_rows_give_the_full_heads_logits(name):
     head = _heads()[name]
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     full = head(x)
-    sub = SubsetHead(head_rows(head, KEEP), KEEP, 48)(x)  # [5, 48]
+    restricted = SubsetHead(head_rows(head, KEEP), KEEP, 48, head)
+    sub = restricted(x)  # [5, 48]
+    assert torch.equal(restricted.full(x), full)
     assert sub.shape == full.shape
     if name == "nn.Linear":  # F.linear's summation order may depend on the number of rows
         torch.testing.assert_close(sub[:, KEEP], full[:, KEEP])
@@ -71,3 +73,33 @@ def test_restricted_draft_greedy_equals_ar(models, ar_outputs, mode):
     assert draft.lm_head is head
     if mode != "auto":
         assert st["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("full_vocab_candidates", [True, False])
+def test_outcomes_outside_the_draft_vocab_are_still_predicted(models, monkeypatch, full_vocab_candidates):
+    """draft == target restricted to half the vocabulary, greedy, one candidate per k: the target rejects
+    every draft token its argmax is not among the kept ids, and its correction is the draft's whole-vocabulary
+    argmax. SSD ranks the candidates over the whole vocabulary, so every outcome is a hit. Negative control:
+    ranking them with the restricted layer misses every such correction."""
+    from ssd.workers.model_runner import ModelRunner
+
+    if not full_vocab_candidates:
+        forward = ModelRunner.forward
+        monkeypatch.setattr(ModelRunner, "forward", lambda self, *a, full_vocab=False, **kw: forward(self, *a, **kw))
+    target = models[0]
+    k = 3
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(target=target, mode="ar", dtype="float32", max_batch=1, max_len=128) as llm:
+        want = [o.token_ids for o in llm.generate(PROMPTS, sp)]
+    with LLM(target=target, draft=target, mode="ssd", backup="neural", k=k, fanout=[1] * (k + 1),
+             draft_vocab=20, dtype="float32", max_batch=1, max_len=128) as llm:
+        outs = [llm.generate([p], sp)[0] for p in PROMPTS]
+        st = llm.stats()
+    assert [o.token_ids for o in outs] == want
+    assert sum(t >= 20 for o in outs for t in o.token_ids) >= 5  # corrections outside the kept ids occur
+    short = sum(n for kk, n in st["cache_hits_per_k"].items() if int(kk) < k)  # rounds that rejected a token
+    misses = sum(st["cache_misses_per_k"].values())
+    if full_vocab_candidates:
+        assert misses == 0 and short >= 5, st
+    else:
+        assert misses >= 5, st

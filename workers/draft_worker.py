@@ -24,6 +24,8 @@ from ssd.workers.models.decoder import DecoderModel
 from ssd.workers.models.vocab_subset import draft_vocab_ids, restrict_head
 from ssd.workers.seq_state import make_generator
 
+FEED_AHEAD_LAG = 2  # committed tokens a feed-ahead commit may leave uncached
+
 
 @dataclass
 class DraftSeq:
@@ -102,12 +104,25 @@ class DraftWorker(ModelWorker):
         if st is not None:
             self.runner.free(st.slot)
 
-    def commit(self, seq_id: int, tokens: list[int]) -> None:
-        """Tokens the target emitted for this sequence (accepted drafts + correction/bonus)."""
+    def commit(self, seq_id: int, tokens: list[int], feed_ahead: bool = False) -> None:
+        """Tokens the target emitted for this sequence (accepted drafts + correction/bonus).
+
+        feed_ahead: for rounds that leave the draft's device idle (SSD's AR and n-gram rounds): once more
+        than FEED_AHEAD_LAG tokens wait, cache all but the last (whose distribution the next draft call
+        needs). Fed lazily, a run of such rounds lands as one long catch-up in the next speculation; the lag
+        lets a switch back feed its few tokens in the forward it runs anyway. Not for plain SD, whose next
+        call drafts at once.
+        """
         st = self.dseqs[seq_id]
         self._close_region(st)
         st.todo.extend(tokens)
         st.last = tokens[-1]
+        if feed_ahead:
+            todo = self._sync(st)
+            if len(todo) > FEED_AHEAD_LAG:
+                self.runner.forward([st.slot], [todo[:-1]], last_only=True)
+                st.base += len(todo) - 1
+            st.todo = todo[-1:]
 
     def _close_region(self, st: DraftSeq) -> None:
         """Drop an SSD tree region that no resolve() consumed (the policy switched modes)."""
@@ -221,7 +236,9 @@ class DraftWorker(ModelWorker):
         for st in states:
             self._close_region(st)
         glues = [self._glue(st, r) for st, r in zip(states, requests)]
-        logits = self.runner.forward([st.slot for st in states], [g for g, _, _ in glues])  # [B, n, V]
+        # The candidates are predictions, not drafts: ranking them over the whole vocabulary keeps a target
+        # token outside a restricted draft's ids predictable, and changes no q.
+        logits = self.runner.forward([st.slot for st in states], [g for g, _, _ in glues], full_vocab=True)  # [B, n, V]
         branches: list[list[tuple[int, int]]] = []  # per row: (k, t*)
         for b, (st, r) in enumerate(zip(states, requests)):
             _, committed, first = glues[b]

@@ -114,8 +114,10 @@ class ModelRunner:
         tokens: list[list[int]],
         parents: list[list[int] | None] | None = None,
         last_only: bool = False,
+        full_vocab: bool = False,
     ) -> torch.Tensor:
         """Append tokens[b] to slot slots[b]; return logits [B, n, V] float32 (or [B, V] if last_only).
+        full_vocab: the whole vocabulary's logits from a restricted output layer (an eager forward).
 
         parents[b], when given, makes row b's tokens tree nodes: parents index the slot's open tree
         region (opened at the current length if none is open; -1 = child of the prefix). Row b's
@@ -159,7 +161,8 @@ class ModelRunner:
         pad_pos = [[b0 + d for d in dep] + [b0] * (n - len(dep)) for b0, dep in zip(pos_base, depth)]
         read_len = max(b0 + nb for b0, nb in zip(base, lens))
         # Prompt prefill (last_only, longer) stays eager: one graph per prompt length would not pay.
-        if self.graphs is not None and self.graphs.supports(B, n) and (n <= GRAPH_LAST_ONLY_MAX or not last_only):
+        if (self.graphs is not None and not full_vocab and self.graphs.supports(B, n)
+                and (n <= GRAPH_LAST_ONLY_MAX or not last_only)):
             mask = self._mask(base, lens, anc_rows, n, length_bucket(read_len, self.max_len))
             logits = self.graphs.run(slots, pad_ids, pad_pos, lens, base, mask)  # [B, n, V], shared buffer
             for s, nb in zip(slots, lens):
@@ -194,8 +197,8 @@ class ModelRunner:
             self.kv.lengths[s] += nb
         if last_only:
             last = torch.tensor([nb - 1 for nb in lens], device=dev)
-            return self.model.logits(hidden[torch.arange(B, device=dev), last])  # [B, V]
-        return self.model.logits(hidden)  # [B, n, V]
+            return self.model.logits(hidden[torch.arange(B, device=dev), last], full_vocab)  # [B, V]
+        return self.model.logits(hidden, full_vocab)  # [B, n, V]
 
     @staticmethod
     def _mask(

@@ -18,7 +18,7 @@ from ssd.autoconfig import SSDTuner
 from ssd.fanout import FanoutPlanner
 from ssd.handles import WorkerDied, WorkerHandle
 from ssd.modes.recovery import DraftBackedMode
-from ssd.policy import CostModel, best_draft_len, choose
+from ssd.policy import CostModel, acceptance_counts, best_draft_len, choose
 from ssd.sequence import Sequence
 from ssd.workers.draft_worker import SpecRequest
 from ssd.workers.messages import Draft, Outcome
@@ -74,6 +74,7 @@ class SSDMode(DraftBackedMode):
         self._ngram_k = k  # this round's n-gram draft length (policy)
         self._lookups: dict[int, tuple[list[int], int]] = {}  # this round's lookups: seq_id -> (tokens, match)
         self._match: dict[int, int] = {}  # seq_id -> suffix length the current n-gram draft matched
+        self._prepared = 1.0  # share of this round's sequences whose speculation was ready
 
     # -- sequences ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -95,6 +96,7 @@ class SSDMode(DraftBackedMode):
         else:
             ngram = self._ngram_plan(seqs) if "ngram" in self.allowed else None
             prepared = sum(s.seq_id in self.current for s in seqs) / len(seqs)
+            self._prepared = prepared
             choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared)
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up.
             self._rounds_since_explore += 1
@@ -107,6 +109,15 @@ class SSDMode(DraftBackedMode):
             self._last_tried[choice] = self.stats.rounds
         self.last_choice = choice
         return choice
+
+    def _calibrate(self, outcomes: list[Outcome], seconds: float) -> None:
+        """Feed the round's measured time to the policy's calibration; a switch into SSD is left out (its
+        catch-up is priced apart)."""
+        choice = self.last_choice
+        if choice not in self.last_scores or (choice.startswith("ssd") and self._prepared < 1.0):
+            return
+        predicted = self.last_scores[choice] / self.cost.calibration_factor(choice)
+        self.cost.observe_round(choice, predicted, seconds, sum(len(o.tokens) for o in outcomes))
 
     def _ngram_plan(self, seqs: list[Sequence]) -> tuple[float, int]:
         """(acceptance, draft length) of n-gram drafts this round, from each lookup's match length."""
@@ -130,7 +141,10 @@ class SSDMode(DraftBackedMode):
             self.current.clear()
             return self._ar_round(seqs)  # exact without a draft; the restart runs meanwhile
         try:
-            return self._round(seqs)
+            t0 = time.perf_counter()
+            outcomes = self._round(seqs)
+            self._calibrate(outcomes, time.perf_counter() - t0)
+            return outcomes
         except DraftLost as lost:
             self.current.clear()
             if lost.outcomes is not None:  # the target verified this round; only the draft side failed
@@ -167,20 +181,19 @@ class SSDMode(DraftBackedMode):
         if choice == "sd" or (choice == "ngram" and not self._speculate_on_ngram(drafts)):
             outcomes = self._timed_verify(drafts, q_draft)
             for o in outcomes:
-                self.draft.call("commit", o.seq_id, o.tokens)
+                self.draft.call("commit", o.seq_id, o.tokens, choice == "ngram")
             self.current.clear()
         else:
             outcomes = self._ssd_round(seqs, drafts, q_draft, sources, neural=choice == "ssd_neural")
         for s, d, o, src in zip(seqs, drafts, outcomes, sources):
             self.planner.observe_round(s.seq_id, src, len(d.tokens), o.num_accepted)
             if d.tokens:
-                rate = o.num_accepted / (o.num_accepted + (1 if o.num_accepted < len(d.tokens) else 0))
                 if d.q_kind != "point":
-                    self.cost.acceptance.update(rate)
+                    self.cost.acceptance.update(*acceptance_counts(len(d.tokens), o.num_accepted))
                 elif s.seq_id in self._match:
-                    self.cost.observe_ngram(self._match[s.seq_id], rate)
+                    self.cost.observe_ngram(self._match[s.seq_id], len(d.tokens), o.num_accepted)
                 else:
-                    self.cost.fast_acceptance.update(rate)
+                    self.cost.fast_acceptance.update(*acceptance_counts(len(d.tokens), o.num_accepted))
                 if self.tuner is not None and d.q_kind != "point":  # the neural draft's acceptance
                     self.tuner.observe(len(d.tokens), o.num_accepted)
         if self.tuner is not None:
@@ -215,7 +228,7 @@ class SSDMode(DraftBackedMode):
             guess, match = ngram_match(s.prompt_ids + s.output_ids, len(o.tokens), self.ngram_max)
             n = min(len(guess), len(o.tokens))
             m = next((i for i in range(n) if guess[i] != o.tokens[i]), n)
-            self.cost.observe_ngram(match, m / (m + 1) if m < n else (1.0 if n else 0.0))
+            self.cost.observe_ngram(match, n, m)
 
     def _timed_verify(self, drafts: list[Draft], q_draft: list) -> list[Outcome]:
         t0 = time.perf_counter()
@@ -235,7 +248,7 @@ class SSDMode(DraftBackedMode):
         drafts = [Draft(seq_id=s.seq_id) for s in seqs]
         outcomes = self._timed_verify(drafts, [None] * len(seqs))
         for o in outcomes:
-            self.draft.call("commit", o.seq_id, o.tokens)
+            self.draft.call("commit", o.seq_id, o.tokens, True)  # meanwhile, on the draft's own device
         self.current.clear()
         self._shadow_ngram(seqs, drafts, outcomes)
         self._record(seqs, drafts, outcomes, "ar")
@@ -302,7 +315,7 @@ class SSDMode(DraftBackedMode):
                     self.current[s.seq_id] = (r.draft, r.q, "backup")
                 else:
                     self.current[s.seq_id] = (self._fast_backup(s, o.tokens, k_next), None, "backup")
-        self.cost.p_hit.update(hits / len(seqs))
+        self.cost.p_hit.update(hits, len(seqs))
         return outcomes
 
 

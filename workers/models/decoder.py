@@ -369,5 +369,7 @@ class DecoderModel(nn.Module):
         out[src] = rows
         return out.view(B, n, D)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, full_vocab: bool = False) -> torch.Tensor:
+        """full_vocab: the whole vocabulary's logits even when the output layer is restricted (SubsetHead)."""
+        head = self.lm_head.full if full_vocab and hasattr(self.lm_head, "full") else self.lm_head
+        return head(hidden).float()

@@ -8,7 +8,9 @@ of frequency) cover ~93-96 % of the tokens the target emits on HumanEval and MT-
 
 `restrict_head(model, keep)` swaps the model's `lm_head` for a `SubsetHead`: the kept rows of the same
 weights (the same codes for quantised heads, so kept logits keep their values) whose logits are
-scattered into a full-vocabulary row of -inf.
+scattered into a full-vocabulary row of -inf. It keeps the whole layer too, for `full`: SSD ranks the
+likely verification outcomes with it (a target token outside the kept ids is still a token the draft
+can continue from, and predicting it costs one full-vocabulary row per round, not per draft step).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from ssd.workers.models.quant import Int8Linear
 
 
 class SubsetHead(nn.Module):
-    """logits [..., V]: the kept rows' logits at their token ids, -inf everywhere else."""
+    """logits [..., V]: the kept rows' logits at their token ids, -inf everywhere else; `full(x)` gives
+    the whole layer's logits."""
 
-    def __init__(self, head: nn.Module, keep: torch.Tensor, vocab_size: int) -> None:
+    def __init__(self, head: nn.Module, keep: torch.Tensor, vocab_size: int, full: nn.Module) -> None:
         super().__init__()
         self.head = head
+        self.full = full
         self.vocab_size = vocab_size
         self.register_buffer("keep", keep)
 
@@ -73,4 +77,4 @@ def restrict_head(model: nn.Module, keep: torch.Tensor) -> None:
     head = model.lm_head
     if isinstance(head, SubsetHead):
         raise ValueError("the output layer is already restricted")
-    model.lm_head = SubsetHead(head_rows(head, keep), keep.to(model.embed_tokens.weight.device), vocab)
+    model.lm_head = SubsetHead(head_rows(head, keep), keep.to(model.embed_tokens.weight.device), vocab, head)
