@@ -123,6 +123,7 @@ class ModelRunner:
         region (opened at the current length if none is open; -1 = child of the prefix). Row b's
         logits at index i are then the distribution after node i's path.
         """
+        full_vocab = full_vocab and hasattr(self.model.lm_head, "full")  # else the usual (graphed) path
         B = len(slots)
         if B == 0 or B != len(tokens):
             raise ValueError("forward needs one token list per slot")
