@@ -23,6 +23,10 @@ NGRAM_ALPHA = 0.05
 # stays low (seen on MT-Bench: p_hit 0.28 for the rest of a prompt where SSD alone hit 48 %).
 RATE_ALPHA = 0.05
 SWITCH_HORIZON = 4  # rounds a switch into SSD is expected to last: its one-off catch-up is spread over them
+# Leaving a ready SSD pipeline for AR / SD / n-gram needs an option this much cheaper: the prepared
+# speculation is thrown away and coming back pays a catch-up. Without it `auto` switched in a third of
+# its rounds on MT-Bench, where the options are within ~15 % of each other.
+SWITCH_MARGIN = 0.9
 CALIBRATION_RANGE = (0.5, 2.0)  # how far measured round times may move an option's modelled price
 
 
@@ -178,6 +182,7 @@ def choose(
     allowed: tuple[str, ...] = OPTIONS,
     ngram: tuple[float, int] | None = None,
     prepared: float = 1.0,
+    current: str | None = None,
 ) -> tuple[str, dict[str, float]]:
     """Return the option with the lowest expected seconds per emitted token, and all the scores
     (calibrated by each option's measured / predicted round times).
@@ -189,6 +194,8 @@ def choose(
     backup) or by lookup (the fast backup). That one-off cost is spread over the SWITCH_HORIZON rounds
     a switch is expected to last: charged to one round, it kept the policy out of SSD for good on
     prompts where steady-state SSD beat AR (MT-Bench); not charged at all, the policy flapped.
+    `current`: last round's option. From a ready SSD pipeline (`prepared` = 1) only an SSD option, or
+    one cheaper by SWITCH_MARGIN, is taken.
     """
     a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.p_hit.value
     e_sd = expected_tokens(a, k)
@@ -215,4 +222,8 @@ def choose(
     scores["ngram"] = cost.verify_time(batch * (k_ngram + 1)) / (batch * expected_tokens(a_ngram, k_ngram))
     scores = {o: t * cost.calibration_factor(o) for o, t in scores.items()}
     best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])
+    if current in allowed and current.startswith("ssd") and prepared >= 1.0 and not best.startswith("ssd"):
+        stay = min((o for o in OPTIONS if o in allowed and o.startswith("ssd")), key=lambda o: scores[o])
+        if scores[best] > SWITCH_MARGIN * scores[stay]:
+            best = stay
     return best, scores

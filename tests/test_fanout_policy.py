@@ -308,3 +308,18 @@ def test_measured_round_times_correct_the_modelled_prices():
         c.observe_round("ar", before["ar"], 5 * before["ar"], 1)
     clamped = choose(c, batch=1, k=3, allowed=allowed)[1]["ar"]
     assert clamped == pytest.approx(policy.CALIBRATION_RANGE[1] * before["ar"])
+
+
+@pytest.mark.parametrize("ratio,kept", [(0.95, True), (0.85, False)])
+def test_leaving_a_ready_ssd_pipeline_needs_a_clear_margin(ratio, kept):
+    """From a ready SSD pipeline, AR at 95 % of SSD's price is not taken (the prepared speculation would be
+    lost and coming back pays a catch-up); at 85 % it is. Without a ready pipeline the cheaper one wins."""
+    c = costs(v0=0.12, v1=0.01, draft_step=0.05, speculate=0.12, a=0.5, p_hit=0.5, a_fast=0.1)
+    allowed = ("ssd_fast", "ar")
+    base = choose(c, batch=1, k=3, allowed=allowed)[1]
+    c.calibration["ar"] = policy.RateEma(ratio * base["ssd_fast"] / base["ar"])  # AR's price: ratio x SSD's
+    assert choose(c, batch=1, k=3, allowed=allowed)[0] == "ar"
+    assert choose(c, batch=1, k=3, allowed=allowed, prepared=0.0, current="ssd_fast")[0] == "ar"
+    best = choose(c, batch=1, k=3, allowed=allowed, current="ssd_fast")[0]
+    assert best == ("ssd_fast" if kept else "ar")
+    assert policy.SWITCH_MARGIN == 0.9

@@ -97,12 +97,16 @@ class SSDMode(DraftBackedMode):
             ngram = self._ngram_plan(seqs) if "ngram" in self.allowed else None
             prepared = sum(s.seq_id in self.current for s in seqs) / len(seqs)
             self._prepared = prepared
-            choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared)
-            # Estimates of options never chosen go stale: now and then re-measure a close runner-up.
+            choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared,
+                                              current=self.last_choice or None)
+            # Estimates of options never chosen go stale: now and then re-measure a close runner-up (from a
+            # ready SSD pipeline only the other SSD option, which keeps the prepared speculation).
             self._rounds_since_explore += 1
             if self._rounds_since_explore >= EXPLORE_EVERY:
+                in_pipeline = choice.startswith("ssd") and prepared >= 1.0
                 close = [o for o in self.allowed
-                         if o != choice and self.last_scores[o] <= EXPLORE_WITHIN * self.last_scores[choice]]
+                         if o != choice and self.last_scores[o] <= EXPLORE_WITHIN * self.last_scores[choice]
+                         and (o.startswith("ssd") or not in_pipeline)]
                 if close:
                     choice = min(close, key=lambda o: self._last_tried.get(o, -1))
                 self._rounds_since_explore = 0
