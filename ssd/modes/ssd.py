@@ -192,12 +192,11 @@ class SSDMode(DraftBackedMode):
         for s, d, o, src in zip(seqs, drafts, outcomes, sources):
             self.planner.observe_round(s.seq_id, src, len(d.tokens), o.num_accepted)
             if d.tokens:
-                if d.q_kind != "point":
-                    self.cost.acceptance.update(*acceptance_counts(len(d.tokens), o.num_accepted))
-                elif s.seq_id in self._match:
+                if s.seq_id in self._match and d.q_kind == "point":
                     self.cost.observe_ngram(self._match[s.seq_id], len(d.tokens), o.num_accepted)
                 else:
-                    self.cost.fast_acceptance.update(*acceptance_counts(len(d.tokens), o.num_accepted))
+                    rate = self.cost.acceptance if d.q_kind != "point" else self.cost.fast_acceptance
+                    rate.update(*acceptance_counts(len(d.tokens), o.num_accepted))
                 if self.tuner is not None and d.q_kind != "point":  # the neural draft's acceptance
                     self.tuner.observe(len(d.tokens), o.num_accepted)
         if self.tuner is not None:
