@@ -342,9 +342,11 @@ def test_vnni_builds_give_the_avx2_bits(build, monkeypatch):
 
     g = torch.Generator().manual_seed(11)
     for cls in CLASSES:
-        for k in (288, 896):  # a half-empty q4 pair / a half group at the end
-            lin = cls.from_float(torch.randn(40, k, generator=g), torch.randn(40, generator=g), torch.bfloat16)
-            for m in (1, 3, 8, 9):
+        # 40 rows: 5 tiles (the AVX-512 build's pairs plus an odd tile); 44: 6 tiles, the last pair
+        # 12 rows. M: 1 to 8 rows in one pass, then 9 and 13 in two.
+        for n, k in ((40, 288), (44, 896)):  # a half-empty q4 pair / a half group at the end
+            lin = cls.from_float(torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.bfloat16)
+            for m in (1, 3, 5, 8, 9, 13):
                 x = torch.randn(m, k, generator=g).bfloat16()
                 base, fast = run(lambda lin=lin, x=x: lin(x))
                 assert torch.equal(base, fast), (cls.__name__, k, m)

@@ -1,8 +1,8 @@
-"""CPU kernels (``qgemm.cpp``, AVX2; AVX-VNNI where the CPU has it, see ``isa``): block-quantised GEMM (int4 /
-int5 / int8 weights x int8 activations, per block of 32), a dense GEMM for unquantised fp32/bf16 weights (fp32
-accumulation), RMSNorm and token-by-token attention over the KV cache, all row-independent (the batch-
-invariant path); and (``decoder_layer.cpp``) SiLU * up and whole decoder layers built from those kernels in
-one call.
+"""CPU kernels (``qgemm.cpp``, AVX2; AVX-512 VNNI or AVX-VNNI where the CPU has it, see ``isa``): block-quantised
+GEMM (int4 / int5 / int8 weights x int8 activations, per block of 32), a dense GEMM for unquantised fp32/bf16
+weights (fp32 accumulation), RMSNorm and token-by-token attention over the KV cache, all row-independent (the
+batch-invariant path); and (``decoder_layer.cpp``) SiLU * up and whole decoder layers built from those
+kernels in one call.
 
 The C++ sources are compiled on first use with the system ``g++`` into the ssd cache directory
 (``$SSD_CACHE_DIR`` or ``~/.cache/ssd``, keyed by a hash of source and flags) and loaded with
@@ -39,15 +39,16 @@ __all__ = [
 QK = 32  # weights and activations are quantised in blocks of 32 along K
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # Builds of the kernels, best first, with the CPU flags each needs: the VNNI builds do an int8 dot
-# product in one instruction instead of three (the same integer sums, so the same bits as avx2).
+# product in one instruction instead of three, and the AVX-512 one runs two weight tiles per 512-bit
+# vector (the same integer sums and per-output float steps, so the same bits as avx2).
 ISA_FLAGS = {
-    "avxvnni": ("-mavxvnni",),
     "avx512vnni": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"),
+    "avxvnni": ("-mavxvnni",),
     "avx2": (),
 }
 _ISA_CPU_FLAGS = {
-    "avxvnni": {"avx_vnni"},
     "avx512vnni": {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"},
+    "avxvnni": {"avx_vnni"},
     "avx2": set(),
 }
 
