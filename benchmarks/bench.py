@@ -2,7 +2,8 @@
 
 Prints a table and writes JSON. Two placements side by side (2-core machine):
   a  paper-style: the target on one core for every mode; SSD's draft on the second core
-  b  same total cores for all: AR/SD/n-gram use both cores; SSD splits them target / draft
+  b  same total cores for all: AR/SD/n-gram use both cores; SSD splits them target / draft, and
+     auto lends the draft's core to the target in rounds where the draft idles (AR, SD, n-gram)
 Optionally transformers' own generate() and assisted generate() on the same weights, dtype and
 thread count, measured in the same run (--transformers).
 
@@ -29,10 +30,10 @@ from ssd import LLM, SamplingParams  # noqa: E402
 def placement_kwargs(placement: str, mode: str, cores: list[int]) -> dict:
     c0, c1 = cores[0], cores[-1]
     if placement == "a":
-        if mode in ("ssd", "auto"):
-            return dict(target_cores=[c0], draft_cores=[c1])
+        if mode in ("ssd", "auto"):  # the target keeps to its core even where the draft idles
+            return dict(target_cores=[c0], draft_cores=[c1], borrow_draft_cores=False)
         return dict(target_cores=[c0], draft_cores=[c0])
-    if mode in ("ssd", "auto"):
+    if mode in ("ssd", "auto"):  # auto: the target borrows the draft's core in rounds the draft idles
         return dict(target_cores=[c0], draft_cores=[c1])
     return dict(target_cores=cores, draft_cores=cores)
 

@@ -33,6 +33,7 @@ class AutoConfig:
     t_draft: dict[int, float]
     t_draft1: float = 0.0  # one plain draft step (measured for plain SD only)
     t_chain: dict[int, float] = field(default_factory=dict)  # the draft scoring n chain tokens (SSD)
+    borrow_share: float | None = None  # verification on borrowed cores / on the target's own (measured)
 
 
 @dataclass
@@ -143,9 +144,13 @@ def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch:
     return best
 
 
-def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool) -> AutoConfig:
+def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool, borrow: bool = False) -> AutoConfig:
     ns = sorted({k + 1 for k in K_CHOICES})
     t_verify = {n: target.call("time_forward", n).result() for n in [1, *ns]}  # n = 1: the policy's AR price
+    borrow_share = None
+    if borrow:  # the target on the draft's cores too: one decode step and the longest verification
+        shares = [target.call("time_forward", n, 128, False, 3, True).result() / t_verify[n] for n in (1, ns[-1])]
+        borrow_share = sum(shares) / len(shares)
     t_chain = {n: draft.call("time_forward", n).result() for n in ns}
     sizes = sorted({b for k in K_CHOICES for b in budgets(k)})
     t_branch = {n: draft.call("time_forward", n, 128, True).result() for n in sizes} if ssd else {1: t_chain[ns[0]]}
@@ -157,4 +162,7 @@ def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool) -> AutoC
         k, b = _choose_sd(t_verify, t_draft1, PRIOR_ACCEPTANCE), 0
     log.info("auto-config: k=%d budget=%d (verify %s ms)", k, b,
              {n: round(t * 1e3, 1) for n, t in t_verify.items()})
-    return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch, t_draft1=t_draft1, t_chain=t_chain)
+    if borrow_share is not None:
+        log.info("auto-config: verification on borrowed cores takes %.2fx the target's own", borrow_share)
+    return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch, t_draft1=t_draft1, t_chain=t_chain,
+                      borrow_share=borrow_share)

@@ -40,12 +40,16 @@ def draft_headroom(cfg: Config) -> int:
     return (k + 1) * (budget + 1)
 
 
-def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, vocab_size: int) -> Mode:
+def make_mode(
+    cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, vocab_size: int, borrow: bool = False
+) -> Mode:
+    """The decoding mode for `cfg`; `borrow`: the target can borrow the draft's cores (auto only)."""
+    borrow = borrow and cfg.mode == "auto"
     tuner: KTuner | None = None
     ssd_tuner: SSDTuner | None = None
     ac: AutoConfig | None = None
     if cfg.k is None and draft is not None and cfg.mode in ("sd", "ssd", "auto"):
-        ac = autoconfigure(target, draft, ssd=cfg.mode != "sd")
+        ac = autoconfigure(target, draft, ssd=cfg.mode != "sd", borrow=borrow)
         cfg.k = ac.k
         if cfg.mode == "sd":
             tuner = KTuner(t_verify=ac.t_verify, t_draft1=ac.t_draft1)
@@ -64,11 +68,13 @@ def make_mode(cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, voc
     mode = SSDMode(
         target, draft, k, make_fanout_planner(cfg, k), backup=cfg.backup,
         allowed=policy_options(cfg.mode, cfg.backup), vocab_size=vocab_size, ngram_max=cfg.ngram_max,
-        tuner=ssd_tuner,
+        tuner=ssd_tuner, borrow=borrow,
     )
     if ac is not None:  # the policy starts from this machine's latencies
         spec = spec_time(ac.t_chain, ac.t_draft, ac.k, ac.budget)
         mode.cost.seed(ac.t_verify, draft_step=ac.t_draft[1], speculate=spec)
+        if ac.borrow_share is not None:
+            mode.cost.enable_borrow(ac.borrow_share)
     return mode
 
 
@@ -123,7 +129,7 @@ def _assemble(
     cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, info: dict, tokenizer: Any,
     handles: list[WorkerHandle],
 ) -> tuple[Engine, list[WorkerHandle], Any]:
-    mode = make_mode(cfg, target, draft, info["vocab_size"])
+    mode = make_mode(cfg, target, draft, info["vocab_size"], borrow=bool(info.get("borrow_threads")))
     eos = list(info["eos_token_ids"])
     if tokenizer is not None:
         eos = sorted(set(eos) | set(tokenizer.eos_token_ids))

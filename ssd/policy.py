@@ -28,6 +28,9 @@ SWITCH_HORIZON = 4  # rounds a switch into SSD is expected to last: its one-off 
 # its rounds on MT-Bench, where the options are within ~15 % of each other.
 SWITCH_MARGIN = 0.9
 CALIBRATION_RANGE = (0.5, 2.0)  # how far measured round times may move an option's modelled price
+# Verification on the target's and the draft's cores together, as a share of the target's own time:
+# the prior before start-up measures it (2 threads over 1 on the real pair: ~0.55).
+BORROW_PRIOR = 0.6
 
 
 @dataclass
@@ -97,6 +100,10 @@ class CostModel:
     # and RPC time per round, a neural backup's catch-up feed), which decides close calls (on MT-Bench
     # AR, SD and SSD are within ~15 % of each other).
     calibration: dict[str, RateEma] = field(default_factory=dict)
+    # Where the target may borrow the draft's cores (CPU, mode="auto"): verification on both as a share
+    # of verification on its own, for the options that leave the draft idle (AR, SD, n-gram). None:
+    # no borrowing.
+    borrow: RateEma | None = None
 
     def seed(self, t_verify: dict[int, float], draft_step: float | None = None, speculate: float | None = None) -> None:
         """Start from latencies measured at start-up instead of the generic defaults (each counts as one
@@ -152,10 +159,25 @@ class CostModel:
         ema = self.calibration.get(option)
         return 1.0 if ema is None else min(max(ema.value, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
 
+    def enable_borrow(self, share: float = BORROW_PRIOR) -> None:
+        """The target can borrow the draft's cores; `share`: measured borrowed / own verification time
+        (counts as one observation)."""
+        self.borrow = RateEma(share, RATE_ALPHA)
+
+    def borrow_factor(self) -> float:
+        return 1.0 if self.borrow is None else self.borrow.value
+
     def verify_time(self, n_tokens: int) -> float:
         return max(self.v0.value + self.v1.value * n_tokens, 1e-6)
 
-    def observe_verify(self, n_tokens: int, seconds: float) -> None:
+    def observe_verify(self, n_tokens: int, seconds: float, borrowed: bool = False) -> None:
+        """A verification of n_tokens took `seconds`; `borrowed`: on the draft's cores too, which moves
+        the borrowed share, not the line."""
+        if borrowed:
+            if self.borrow is None:
+                raise ValueError("a borrowed verification without enable_borrow()")
+            self.borrow.update(seconds, self.verify_time(n_tokens))
+            return
         # Attribute the residual to the intercept; slope only moves when n differs from the mean.
         pred = self.verify_time(n_tokens)
         err = seconds - pred
@@ -198,6 +220,7 @@ def choose(
     one cheaper by SWITCH_MARGIN, is taken.
     """
     a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.p_hit.value
+    lend = cost.borrow_factor()  # AR, SD and n-gram verify on borrowed cores where the target can
     e_sd = expected_tokens(a, k)
     e_fast = expected_tokens(a_fast, k)
     t_ver = cost.verify_time(batch * (k + 1))
@@ -205,9 +228,9 @@ def choose(
     all_hit = p**batch  # one miss stalls the whole batch
     scores: dict[str, float] = {}
     # AR: one token per sequence per target step.
-    scores["ar"] = cost.verify_time(batch) / batch
+    scores["ar"] = lend * cost.verify_time(batch) / batch
     # SD: the draft runs before the target, on the critical path.
-    scores["sd"] = (t_draft + t_ver) / (batch * e_sd)
+    scores["sd"] = (t_draft + lend * t_ver) / (batch * e_sd)
     # SSD: speculation overlaps verification; a miss costs the backup's latency.
     overlap = max(t_ver, cost.speculate.value)
     h = SWITCH_HORIZON
@@ -217,9 +240,9 @@ def choose(
     first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
     scores["ssd_fast"] = h * overlap / (batch * (first_fast + (h - 1) * steady_fast))
     # n-gram SD: verification only; drafting is a lookup (the draft model speculates meanwhile only
-    # when that fits inside the verification).
+    # when that fits inside the verification and the target is not borrowing the draft's cores).
     a_ngram, k_ngram = ngram if ngram is not None else (a_fast, k)
-    scores["ngram"] = cost.verify_time(batch * (k_ngram + 1)) / (batch * expected_tokens(a_ngram, k_ngram))
+    scores["ngram"] = lend * cost.verify_time(batch * (k_ngram + 1)) / (batch * expected_tokens(a_ngram, k_ngram))
     scores = {o: t * cost.calibration_factor(o) for o, t in scores.items()}
     best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])
     if current in allowed and current.startswith("ssd") and prepared >= 1.0 and not best.startswith("ssd"):

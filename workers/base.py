@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -31,6 +33,36 @@ def set_threads(num_threads: int | None, cpu_cores: list[int] | None) -> None:
             num_threads = len(cpu_cores)
     if num_threads:
         torch.set_num_threads(num_threads)
+
+
+class CoreLoan:
+    """Cores a worker may compute on while their owner (the draft, on its own cores) sits idle.
+
+    `borrowed()` widens the calling thread's affinity to own + spare cores and torch's pool (which
+    the CPU kernels also use) by one thread per spare core, then puts both back. The pool's extra
+    threads are created inside a loan and inherit the wide affinity; outside it they sleep. The
+    kernels split work by output rows, never within a sum, so borrowed threads give the same bits.
+    """
+
+    def __init__(self, own: list[int], spare: list[int]) -> None:
+        if not own or not spare or set(own) & set(spare):
+            raise ValueError(f"a core loan needs own and spare cores, disjoint; got own={own}, spare={spare}")
+        self.own, self.spare = sorted(own), sorted(spare)
+
+    @property
+    def threads(self) -> int:
+        return len(self.own) + len(self.spare)
+
+    @contextlib.contextmanager
+    def borrowed(self) -> Iterator[None]:
+        threads = torch.get_num_threads()
+        os.sched_setaffinity(0, set(self.own) | set(self.spare))
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            os.sched_setaffinity(0, set(self.own))
 
 
 def build_model(
@@ -79,8 +111,13 @@ class ModelWorker:
         quantization: str | None = None,
         linear_kernel: str = "auto",
         cuda_graphs: bool = True,
+        spare_cores: list[int] | None = None,
     ) -> None:
         set_threads(num_threads, cpu_cores)
+        # spare_cores: another worker's cores this one may borrow while that worker is idle (CPU only).
+        self.loan = CoreLoan(cpu_cores or [], spare_cores) if spare_cores else None
+        if self.loan is not None and device != "cpu":
+            raise ValueError("spare_cores (borrowing the draft's cores) is for CPU workers")
         self.device = device
         self.linear_kernel = linear_kernel
         self.model, self.tokenizer = self.load_model(model, parse_dtype(dtype), device, quantization)
@@ -103,6 +140,7 @@ class ModelWorker:
             "max_len": self.runner.max_len,
             "arch": cfg.arch,
             "num_threads": torch.get_num_threads(),
+            "borrow_threads": 0 if self.loan is None else self.loan.threads,
             "cuda_graphs": self.runner.graphs is not None,
             "linear_kernel": getattr(self.model, "linear_kernel", None) or getattr(self.model, "quantization", None)
             or "torch",
@@ -139,11 +177,25 @@ class ModelWorker:
         if st is not None:
             self.runner.free(st.slot)
 
-    def time_forward(self, n_tokens: int, context: int = 128, tree: bool = False, reps: int = 3) -> float:
-        """Median seconds of one forward scoring n_tokens after a context (a chain, or n siblings).
+    def time_forward(
+        self, n_tokens: int, context: int = 128, tree: bool = False, reps: int = 3, borrow: bool = False
+    ) -> float:
+        """Median seconds of one forward scoring n_tokens after a context (a chain, or n siblings);
+        `borrow`: on borrowed cores too (see `loan`).
 
         Used to auto-configure K and the fan-out budget from this device's real latencies.
         """
+        with self._cores(borrow):
+            return self._time_forward(n_tokens, context, tree, reps)
+
+    def _cores(self, borrow: bool) -> contextlib.AbstractContextManager:
+        if not borrow:
+            return contextlib.nullcontext()
+        if self.loan is None:
+            raise ValueError("this worker has no cores to borrow (spare_cores not given)")
+        return self.loan.borrowed()
+
+    def _time_forward(self, n_tokens: int, context: int, tree: bool, reps: int) -> float:
         import time
 
         context = max(1, min(context, self.runner.max_len - n_tokens - 1))

@@ -19,12 +19,19 @@ class TargetWorker(ModelWorker):
         super().__init__(*args, **kwargs)
         self.last_verify_s = 0.0
 
-    def verify(self, drafts: list[Draft], q_draft: list[torch.Tensor | None] | None = None) -> list[Outcome]:
+    def verify(
+        self, drafts: list[Draft], q_draft: list[torch.Tensor | None] | None = None, borrow: bool = False
+    ) -> list[Outcome]:
         """Score [pending] + draft tokens for each sequence in one forward and verify losslessly.
 
         q_draft[b] is [K_b, V] (the exact distribution each draft token was sampled from) for
-        drafts of q_kind "dist"; ignored otherwise.
+        drafts of q_kind "dist"; ignored otherwise. `borrow`: also compute on the draft's cores
+        (`spare_cores`), which the coordinator asks for only while the draft has nothing to do.
         """
+        with self._cores(borrow):
+            return self._verify(drafts, q_draft)
+
+    def _verify(self, drafts: list[Draft], q_draft: list[torch.Tensor | None] | None) -> list[Outcome]:
         t0 = time.perf_counter()
         if q_draft is None:
             q_draft = [None] * len(drafts)

@@ -115,8 +115,10 @@ class TPTargetWorker(TargetWorker):
             st = self.seqs[seq_id]
             st.gen.set_state(self._broadcast(st.gen.get_state()))
 
-    def verify(self, drafts: list[Draft], q_draft: list[torch.Tensor | None] | None = None) -> list[Outcome]:
-        outcomes = super().verify(drafts, q_draft)
+    def verify(
+        self, drafts: list[Draft], q_draft: list[torch.Tensor | None] | None = None, borrow: bool = False
+    ) -> list[Outcome]:
+        outcomes = super().verify(drafts, q_draft, borrow)
         if self.tp_size > 1 and drafts:
             self._agree(drafts, outcomes)
         return outcomes

@@ -48,9 +48,11 @@ class Mode:
         # Never draft past max_tokens: a round emits at most k + 1 tokens.
         return max(0, min(self.k, seq.remaining - 1))
 
-    def _verify(self, drafts: list[Draft], q_draft=None) -> list[Outcome]:
+    def _verify(self, drafts: list[Draft], q_draft=None, borrow: bool = False) -> list[Outcome]:
         t0 = time.perf_counter()
-        outcomes = self.target.call("verify", drafts, q_draft).result()
+        # borrow: the target computes on the draft's cores too (TargetWorker.verify); only asked when set.
+        args = (drafts, q_draft, True) if borrow else (drafts, q_draft)
+        outcomes = self.target.call("verify", *args).result()
         self.stats.verify_s += time.perf_counter() - t0
         return outcomes
 

@@ -53,8 +53,12 @@ class SSDMode(DraftBackedMode):
         vocab_size: int,
         ngram_max: int = 4,
         tuner: SSDTuner | None = None,
+        borrow: bool = False,
     ) -> None:
         super().__init__(target, draft, k)
+        # The target may borrow the draft's cores (CPU, mode="auto"): in AR, SD and n-gram rounds the
+        # draft has nothing to do, so those verifications run on both, and the draft's commits stay lazy.
+        self.borrow = borrow
         self.planner = planner
         self.tuner = tuner  # when K and B were auto-configured: re-chosen every round
         self.backup = backup
@@ -62,6 +66,8 @@ class SSDMode(DraftBackedMode):
         self.vocab_size = vocab_size
         self.ngram_max = ngram_max
         self.cost = CostModel()
+        if borrow:
+            self.cost.enable_borrow()
         # seq_id -> (draft, q, source) of the speculation the target verifies next
         self.current: dict[int, tuple[Draft, torch.Tensor | None, str]] = {}
         self.fanout_used: dict[int, list[int]] = {}
@@ -183,9 +189,9 @@ class SSDMode(DraftBackedMode):
         q_draft = [self.current[s.seq_id][1] for s in seqs]
         sources = [self.current[s.seq_id][2] for s in seqs]
         if choice == "sd" or (choice == "ngram" and not self._speculate_on_ngram(drafts)):
-            outcomes = self._timed_verify(drafts, q_draft)
+            outcomes = self._timed_verify(drafts, q_draft, borrow=self.borrow)
             for o in outcomes:
-                self.draft.call("commit", o.seq_id, o.tokens, choice == "ngram")
+                self.draft.call("commit", o.seq_id, o.tokens, choice == "ngram" and not self.borrow)
             self.current.clear()
         else:
             outcomes = self._ssd_round(seqs, drafts, q_draft, sources, neural=choice == "ssd_neural")
@@ -211,10 +217,11 @@ class SSDMode(DraftBackedMode):
         """n-gram rounds let the draft speculate on the n-gram drafts (a hit has the next neural draft
         ready) when that fits inside their verification; otherwise they are plain n-gram SD. Only drafts
         of at most K tokens: the draft's glue grows with the draft, and speculating on an 8-token n-gram
-        draft took over a second on the real pair (one core each)."""
-        return all(len(d.tokens) <= self.k for d in drafts) and self.cost.speculate.value <= self.cost.verify_time(
-            sum(len(d.tokens) + 1 for d in drafts)
-        )
+        draft took over a second on the real pair (one core each). Not while the target can borrow the
+        draft's cores: plain n-gram rounds run on both."""
+        if self.borrow or any(len(d.tokens) > self.k for d in drafts):
+            return False
+        return self.cost.speculate.value <= self.cost.verify_time(sum(len(d.tokens) + 1 for d in drafts))
 
     def _shadow_ngram(self, seqs: list[Sequence], drafts: list[Draft], outcomes: list[Outcome]) -> None:
         """Score the n-gram drafter on rounds it did not draft, so the policy knows its acceptance.
@@ -233,10 +240,10 @@ class SSDMode(DraftBackedMode):
             m = next((i for i in range(n) if guess[i] != o.tokens[i]), n)
             self.cost.observe_ngram(match, n, m)
 
-    def _timed_verify(self, drafts: list[Draft], q_draft: list) -> list[Outcome]:
+    def _timed_verify(self, drafts: list[Draft], q_draft: list, borrow: bool = False) -> list[Outcome]:
         t0 = time.perf_counter()
-        outcomes = self._verify(drafts, q_draft)
-        self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), time.perf_counter() - t0)
+        outcomes = self._verify(drafts, q_draft, borrow)
+        self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), time.perf_counter() - t0, borrowed=borrow)
         return outcomes
 
     def _draft_call(self, method: str, *args):
@@ -249,9 +256,9 @@ class SSDMode(DraftBackedMode):
     def _plain_round(self, seqs: list[Sequence]) -> list[Outcome]:
         """The policy chose AR: no drafts; the draft just learns the emitted tokens."""
         drafts = [Draft(seq_id=s.seq_id) for s in seqs]
-        outcomes = self._timed_verify(drafts, [None] * len(seqs))
-        for o in outcomes:
-            self.draft.call("commit", o.seq_id, o.tokens, True)  # meanwhile, on the draft's own device
+        outcomes = self._timed_verify(drafts, [None] * len(seqs), borrow=self.borrow)
+        for o in outcomes:  # feed-ahead meanwhile on the draft's own device, unless the target borrows it
+            self.draft.call("commit", o.seq_id, o.tokens, not self.borrow)
         self.current.clear()
         self._shadow_ngram(seqs, drafts, outcomes)
         self._record(seqs, drafts, outcomes, "ar")

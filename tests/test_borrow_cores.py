@@ -1,0 +1,143 @@
+"""The target borrowing the draft's cores in rounds where the draft idles (mode="auto" on CPU)."""
+
+import os
+
+import pytest
+import torch
+from test_ssd_engine import cycle_policy
+from tiny_models import GREEDY, PROMPTS, random_model
+
+from ssd import LLM
+from ssd.config import Config
+from ssd.launch.placement import plan_placement
+from ssd.policy import CostModel, Ema, RateEma, choose
+from ssd.workers.base import CoreLoan
+from ssd.workers.messages import Draft, SamplingSpec
+from ssd.workers.target_worker import TargetWorker
+
+CORES = sorted(os.sched_getaffinity(0))
+two_cores = pytest.mark.skipif(len(CORES) < 2, reason="needs 2 cores to lend one")
+
+
+@pytest.fixture
+def restore_cpu_state():
+    threads, cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    yield
+    torch.set_num_threads(threads)
+    os.sched_setaffinity(0, cores)
+
+
+@two_cores
+def test_core_loan_widens_then_restores(restore_cpu_state):
+    own, spare = CORES[:1], CORES[1:2]
+    loan = CoreLoan(own, spare)
+    os.sched_setaffinity(0, set(own))
+    torch.set_num_threads(1)
+    with loan.borrowed():
+        assert torch.get_num_threads() == 2 and os.sched_getaffinity(0) == set(own + spare)
+    assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == set(own)
+
+
+@pytest.mark.parametrize("own, spare", [([0], [0, 1]), ([], [1]), ([0], [])])
+def test_core_loan_rejects_overlapping_or_empty_cores(own, spare):
+    with pytest.raises(ValueError, match="disjoint"):
+        CoreLoan(own, spare)
+
+
+@two_cores
+def test_borrowed_verification_runs_on_both_cores_with_the_same_bits(restore_cpu_state):
+    """Verification with the draft's core borrowed runs 2 threads and scores every token with the same
+    bits (the kernels split rows of outputs between threads, never a sum), so outcomes are equal."""
+    model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=2, seed=7)
+    worker = TargetWorker(model, dtype="float32", quantization="w4a8", max_slots=2, max_len=64,
+                          cpu_cores=CORES[:1], spare_cores=CORES[1:2])
+    seen: list[tuple[int, set[int]]] = []
+    forward = worker.runner.forward
+
+    def spy(*args, **kwargs):
+        seen.append((torch.get_num_threads(), os.sched_getaffinity(0)))
+        return forward(*args, **kwargs)
+
+    worker.runner.forward = spy
+    logits = {}
+    for seq_id, borrow in ((0, False), (1, True)):
+        worker.add(seq_id, [3, 9, 4, 1, 7], SamplingSpec(temperature=0))
+        seen.clear()
+        with worker._cores(borrow):
+            logits[borrow] = worker.runner.forward([worker.seqs[seq_id].slot], [[7, 2, 5, 11]])
+        assert seen == [(2 if borrow else 1, set(CORES[:2] if borrow else CORES[:1]))]
+    assert torch.equal(logits[False], logits[True])
+    draft = [2, 5, 11]
+    outs = [worker.verify([Draft(seq_id=s, tokens=draft)], borrow=b)[0] for s, b in ((0, False), (1, True))]
+    assert outs[0].tokens == outs[1].tokens
+    assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == set(CORES[:1])
+
+
+def test_borrowing_without_spare_cores_is_an_error():
+    worker = TargetWorker(random_model(vocab=40, layers=1), dtype="float32", max_slots=1, max_len=32)
+    worker.add(0, [1, 2, 3], SamplingSpec(temperature=0))
+    with pytest.raises(ValueError, match="no cores to borrow"):
+        worker.verify([Draft(seq_id=0)], borrow=True)
+    assert worker.info()["borrow_threads"] == 0
+
+
+def test_placement_lends_the_draft_cores_to_the_target_only_in_auto():
+    cores = [0, 1]
+    plan = plan_placement(Config(target="t", draft="d", mode="auto"), cores)
+    assert (plan.target.cpu_cores, plan.target.spare_cores, plan.draft.cpu_cores) == ([0], [1], [1])
+    assert plan.target.num_threads == 1  # its own thread count; the loan adds the rest per call
+    for cfg in (Config(target="t", draft="d", mode="ssd"), Config(target="t", draft="d", borrow_draft_cores=False),
+                Config(target="t", draft="d", mode="auto", target_cores=[0, 1], draft_cores=[0, 1])):
+        assert plan_placement(cfg, cores).target.spare_cores is None
+    assert plan_placement(Config(target="t", draft="d", mode="auto"), [0]).target.spare_cores is None  # shared core
+
+
+def test_policy_prices_rounds_that_leave_the_draft_idle_on_borrowed_cores():
+    c = CostModel()
+    c.v0, c.v1 = Ema(0.10), Ema(0.02)
+    c.speculate, c.draft_step = Ema(0.05), Ema(0.04)
+    c.p_hit, c.acceptance = RateEma(0.9), RateEma(0.7)
+    _, own = choose(c, 1, 3)
+    c.enable_borrow(0.5)
+    best, lent = choose(c, 1, 3)
+    assert lent["ar"] == pytest.approx(own["ar"] * 0.5) and lent["ngram"] == pytest.approx(own["ngram"] * 0.5)
+    assert lent["sd"] == pytest.approx(own["sd"] - 0.5 * c.verify_time(4) / ((1 - 0.7**4) / 0.3))
+    assert lent["ssd_neural"] == own["ssd_neural"] and lent["ssd_fast"] == own["ssd_fast"]
+    # SSD (~0.19 s per 2.5 tokens) beats AR on the target's own core (0.12 s per token), not on two (0.06).
+    assert min(own, key=own.get).startswith("ssd") and best == "ar"
+    # A borrowed verification moves the share, not the line.
+    line = (c.v0.value, c.v1.value)
+    c.observe_verify(4, 0.18 * 0.6, borrowed=True)
+    assert (c.v0.value, c.v1.value) == line and 0.5 < c.borrow_factor() < 0.6
+    with pytest.raises(ValueError, match="enable_borrow"):
+        CostModel().observe_verify(4, 0.1, borrowed=True)
+
+
+@two_cores
+def test_auto_borrows_in_idle_draft_rounds_and_stays_exact(models, ar_outputs, monkeypatch):
+    """AR, SD and n-gram rounds verify on borrowed cores and keep the draft's commits lazy; SSD rounds
+    never borrow (the draft speculates meanwhile); greedy output still equals AR."""
+    cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ar", "ssd_fast", "sd", "ar"])
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=4, max_len=128) as llm:
+        mode, target_w = llm.engine.mode, llm.engine.mode.target.worker
+        own = sorted(os.sched_getaffinity(0))[:1]
+        target_w.loan = CoreLoan(own, [c for c in CORES if c not in own][:1])
+        mode.borrow = True
+        mode.cost.enable_borrow()
+        calls: list[tuple[str, tuple]] = []
+        for name, handle in (("target", mode.target), ("draft", mode.draft)):
+            real = handle.call
+
+            def spy(method, *args, name=name, real=real):
+                calls.append((f"{name}.{method}", args))
+                return real(method, *args)
+
+            monkeypatch.setattr(handle, "call", spy)
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs
+        policy = llm.stats()["policy"]
+    borrowed = [a for m, a in calls if m == "target.verify" and len(a) == 3 and a[2] is True]
+    own_cores = [a for m, a in calls if m == "target.verify" and len(a) == 2]
+    assert len(borrowed) == policy["ar"] + policy["sd"] + policy["ngram"] > 0
+    assert len(own_cores) == policy["ssd_neural"] + policy["ssd_fast"] > 0
+    assert not any(a[2] for m, a in calls if m == "draft.commit")  # lazy: the target has the draft's core
