@@ -141,3 +141,17 @@ def test_auto_borrows_in_idle_draft_rounds_and_stays_exact(models, ar_outputs, m
     assert len(borrowed) == policy["ar"] + policy["sd"] + policy["ngram"] > 0
     assert len(own_cores) == policy["ssd_neural"] + policy["ssd_fast"] > 0
     assert not any(a[2] for m, a in calls if m == "draft.commit")  # lazy: the target has the draft's core
+
+
+def test_exploration_while_borrowing_stays_with_options_that_need_no_catch_up(models):
+    """Borrowed rounds feed the draft nothing, so a re-measurement of SD or SSD from there would pay a
+    catch-up over every token since; from a ready SSD pipeline only SSD options are tried, as before."""
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=64) as llm:
+        mode = llm.engine.mode
+        assert all(mode._explorable(o, "ar", 0.0) for o in ("ssd_neural", "ssd_fast", "sd", "ngram"))
+        mode.borrow = True
+        assert [o for o in ("ssd_neural", "ssd_fast", "sd", "ngram") if mode._explorable(o, "ar", 0.0)] == ["ngram"]
+        assert mode._explorable("ar", "ngram", 0.0) and not mode._explorable("sd", "ngram", 0.0)
+        for borrow in (True, False):
+            mode.borrow = borrow
+            assert mode._explorable("ssd_neural", "ssd_fast", 1.0) and not mode._explorable("ar", "ssd_fast", 1.0)

@@ -109,16 +109,24 @@ class SSDMode(DraftBackedMode):
             # ready SSD pipeline only the other SSD option, which keeps the prepared speculation).
             self._rounds_since_explore += 1
             if self._rounds_since_explore >= EXPLORE_EVERY:
-                in_pipeline = choice.startswith("ssd") and prepared >= 1.0
                 close = [o for o in self.allowed
                          if o != choice and self.last_scores[o] <= EXPLORE_WITHIN * self.last_scores[choice]
-                         and (o.startswith("ssd") or not in_pipeline)]
+                         and self._explorable(o, choice, prepared)]
                 if close:
                     choice = min(close, key=lambda o: self._last_tried.get(o, -1))
                 self._rounds_since_explore = 0
             self._last_tried[choice] = self.stats.rounds
         self.last_choice = choice
         return choice
+
+    def _explorable(self, option: str, choice: str, prepared: float) -> bool:
+        """Whether a re-measurement may try `option` this round instead of `choice`."""
+        if choice.startswith("ssd") and prepared >= 1.0:
+            return option.startswith("ssd")
+        # While the target borrows the draft's cores the draft is fed nothing, so its first SD or SSD round
+        # catches up on every token since: a try cost 200-290 ms on the real pair against ~55 ms of AR.
+        # Such switches happen only when the policy itself prices them as cheaper.
+        return not (self.borrow and option not in ("ar", "ngram"))
 
     def _calibrate(self, outcomes: list[Outcome], seconds: float) -> None:
         """Feed the round's measured time to the policy's calibration; a switch into SSD is left out (its
