@@ -3,8 +3,9 @@ versus everything else (Python and small torch ops), for one model and quantisat
 
     python benchmarks/breakdown.py --model qwen-coder-0.5b --quantization w4a8
 
-Wraps the `ssd.kernels.cpu` entry points with timers, decodes single tokens over a 200-token cache
-and prints milliseconds per step; writes results/breakdown-<model>-<quantization>.json.
+Wraps the `ssd.kernels.cpu` entry points with timers, decodes single tokens (or scores `--tokens N`
+at once, as a verification does) over a 200-token cache and prints milliseconds per step; writes
+results/breakdown-<model>-<quantization>[-n<N>].json.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="bf16: unquantised weights through the dense kernel")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=1,
+                    help="tokens scored per step: 1 = a decode step, K + 1 = verifying K drafted tokens")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     quant = None if args.quantization == "bf16" else args.quantization
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         setattr(cpu_kernels, name, timed)  # the model code calls cpu_kernels.<name> at run time
 
     def step() -> None:
-        runner.forward([slot], [[100]], last_only=True)
+        runner.forward([slot], [[100 + i for i in range(args.tokens)]], last_only=args.tokens == 1)
         runner.truncate(slot, 200)
 
     for _ in range(3):
@@ -67,10 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     total = (time.perf_counter() - t0) / args.steps * 1e3
     per = {k: spent[k] / args.steps * 1e3 for k in KERNELS}
     rest = total - sum(per.values())
-    print(f"{args.model} {args.quantization} {args.threads} threads: {total:.1f} ms per decode step")
+    what = "decode step" if args.tokens == 1 else f"{args.tokens}-token verification"
+    print(f"{args.model} {args.quantization} {args.threads} threads: {total:.1f} ms per {what}")
     for k, v in [*per.items(), ("everything else", rest)]:
         print(f"  {k:<16} {v:7.1f} ms  {100 * v / total:5.1f} %")
-    out = Path(__file__).resolve().parent.parent / "results" / f"breakdown-{args.model}-{args.quantization}.json"
+    tag = "" if args.tokens == 1 else f"-n{args.tokens}"
+    out = Path(__file__).resolve().parent.parent / "results" / f"breakdown-{args.model}-{args.quantization}{tag}.json"
     out.write_text(json.dumps(dict(args=vars(args), step_ms=round(total, 2),
                                    ms={**{k: round(v, 2) for k, v in per.items()}, "rest": round(rest, 2)}), indent=1))
     print(f"wrote {out}")

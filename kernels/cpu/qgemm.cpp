@@ -40,6 +40,7 @@
 //
 // The AVX-512 build runs two tiles at once in 512-bit vectors (tile2_dot), up to 8 activation rows per
 // pass: each lane does what tile_dot does for its row, so the bits are the same as the other builds'.
+// Its q8 rows take two blocks per vector (row_dot_q8_512), with the same integer sums and float steps.
 //
 // Threads: the N outputs are split into contiguous ranges (q4, q5: of whole tiles), one per OpenMP thread
 // (the caller passes torch.get_num_threads(); torch's own libgomp serves the pragma, so there is one
@@ -108,6 +109,7 @@ struct QActs {
     float* sx;
     float* sx16;
     int nbp;
+    uint8_t* xu;  // xq + 128 as unsigned bytes (the AVX-512 q8 path), or nullptr
 };
 
 QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K, bool halves) {
@@ -115,7 +117,8 @@ QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K
     QActs a{static_cast<int8_t*>(calloc(static_cast<size_t>(M) * nbp * QK, 1)),
             static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))),
             static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))),
-            halves ? static_cast<float*>(calloc(static_cast<size_t>(M) * nbp * 2, sizeof(float))) : nullptr, nbp};
+            halves ? static_cast<float*>(calloc(static_cast<size_t>(M) * nbp * 2, sizeof(float))) : nullptr, nbp,
+            nullptr};
     for (int m = 0; m < M; ++m) {
         memcpy(a.xq + static_cast<size_t>(m) * nbp * QK, xq + static_cast<size_t>(m) * K, static_cast<size_t>(K));
         memcpy(a.dx + static_cast<size_t>(m) * nbp, dx + static_cast<size_t>(m) * nb, sizeof(float) * nb);
@@ -133,7 +136,15 @@ QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K
     return a;
 }
 
+// For the AVX-512 q8 path, which has no byte sign instruction: the activations offset to unsigned.
+void add_unsigned_acts(QActs& a, int M) {
+    const size_t n = static_cast<size_t>(M) * a.nbp * QK;
+    a.xu = static_cast<uint8_t*>(malloc(n));
+    for (size_t i = 0; i < n; ++i) a.xu[i] = static_cast<uint8_t>(a.xq[i] + 128);
+}
+
 void free_acts(QActs& a) {
+    free(a.xu);
     free(a.xq);
     free(a.dx);
     free(a.sx);
@@ -196,6 +207,59 @@ inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int
     }
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SSD_Q8_512 1
+// row_dot_q8 in 512-bit vectors (the avx512vnni build), two blocks per vector. AVX-512 has no byte
+// sign instruction, so the activations come offset to unsigned (xu = xq + 128) and each vector's
+// dot product starts from -128 * sum(w), computed once per weight vector for all activation rows:
+// dpbusd(-128 sum(w), xu, w) = sum(xq * w) exactly. The 8 block sums of a group are then gathered
+// into the lane order row_dot_q8 uses and go through the same float steps, so the bits are the same.
+template <int R>
+inline void row_dot_q8_512(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0, int nb, float* out,
+                           const uint8_t* pf) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    auto group = [&](const uint8_t* wg, int g, int cnt) {
+        if (pf != nullptr)
+            for (int p = 0; p < 256; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 32 + p, _MM_HINT_T0);
+        __m512i wv[4], init[4];
+        for (int j = 0; j < 4; ++j) {
+            wv[j] = _mm512_loadu_si512(wg + 64 * j);
+            init[j] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv[j]));
+        }
+        const __m256 s8 = load_scales(sc + g, cnt);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+            const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
+            const uint8_t* x = a.xu + at * QK;
+            __m512i d[4];
+            for (int j = 0; j < 4; ++j) d[j] = _mm512_dpbusd_epi32(init[j], _mm512_loadu_si512(x + 64 * j), wv[j]);
+            // Per 128-bit lane L, lane k of s: the sum of d[k]'s 4 lanes in L (blocks 2k: L = 0, 1; 2k + 1: 2, 3).
+            const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+            const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+            const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+            const __m256i lo = _mm512_castsi512_si256(s), hi = _mm512_extracti64x4_epi64(s, 1);
+            // [blocks 0, 2, 4, 6 | 1, 3, 5, 7], then into block order.
+            const __m256i eo = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+            const __m256i dots = _mm256_permutevar8x32_epi32(eo, order);
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
+        }
+    };
+    const int full = nb / 8 * 8;
+    for (int g = 0; g < full; g += 8) group(w + static_cast<size_t>(g) * 32, g, 8);
+    if (full < nb) {
+        alignas(64) uint8_t tail[8 * 32] = {};
+        memcpy(tail, w + static_cast<size_t>(full) * 32, static_cast<size_t>(nb - full) * 32);
+        group(tail, full, nb - full);
+    }
+    for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
+}
+#else
+#define SSD_Q8_512 0
+#endif
 
 // Rows n0..n0+7 (one tile: codes w [nb, block_bytes], fp16 scales sc [nb, parts, 8] and q4 offsets
 // oc [nb, 8]) against R activation rows from `a` (starting at row m0): out[i * 8 + r] =
@@ -507,6 +571,18 @@ void block_gemm_q8(const uint8_t* w, const uint16_t* scale, const QActs& a, int 
             const uint16_t* sr = scale + static_cast<size_t>(n) * nb;
             for (int m0 = 0; m0 < M; m0 += MC) {
                 const uint8_t* p = m0 == 0 ? pf : nullptr;
+#if SSD_Q8_512
+                switch (M - m0 < MC ? M - m0 : MC) {
+                    case 1: row_dot_q8_512<1>(wr, sr, a, m0, nb, part, p); break;
+                    case 2: row_dot_q8_512<2>(wr, sr, a, m0, nb, part, p); break;
+                    case 3: row_dot_q8_512<3>(wr, sr, a, m0, nb, part, p); break;
+                    case 4: row_dot_q8_512<4>(wr, sr, a, m0, nb, part, p); break;
+                    case 5: row_dot_q8_512<5>(wr, sr, a, m0, nb, part, p); break;
+                    case 6: row_dot_q8_512<6>(wr, sr, a, m0, nb, part, p); break;
+                    case 7: row_dot_q8_512<7>(wr, sr, a, m0, nb, part, p); break;
+                    default: row_dot_q8_512<8>(wr, sr, a, m0, nb, part, p); break;
+                }
+#else
                 switch (M - m0 < MC ? M - m0 : MC) {
                     case 1: row_dot_q8<1>(wr, sr, a, m0, nb, part, p); break;
                     case 2: row_dot_q8<2>(wr, sr, a, m0, nb, part, p); break;
@@ -517,6 +593,7 @@ void block_gemm_q8(const uint8_t* w, const uint16_t* scale, const QActs& a, int 
                     case 7: row_dot_q8<7>(wr, sr, a, m0, nb, part, p); break;
                     default: row_dot_q8<8>(wr, sr, a, m0, nb, part, p); break;
                 }
+#endif
                 for (int i = 0; i < MC && m0 + i < M; ++i) {
                     const size_t at = static_cast<size_t>(m0 + i) * N + n;
                     if (y_bf16)
@@ -729,8 +806,10 @@ void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint
         tile_gemm<FMT_Q5>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
     else if (fmt == FMT_Q6)
         tile_gemm<FMT_Q6>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
-    else
+    else {
+        if (SSD_Q8_512) add_unsigned_acts(a, M);
         block_gemm_q8(w, scale, a, M, N, K, y, bf16, nthreads);
+    }
     free_acts(a);
     free(xq);
     free(dx);
