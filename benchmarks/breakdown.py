@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=1,
                     help="tokens scored per step: 1 = a decode step, K + 1 = verifying K drafted tokens")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default: results/breakdown-<model>-<quantization>[-n<N>].json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     quant = None if args.quantization == "bf16" else args.quantization
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in [*per.items(), ("everything else", rest)]:
         print(f"  {k:<16} {v:7.1f} ms  {100 * v / total:5.1f} %")
     tag = "" if args.tokens == 1 else f"-n{args.tokens}"
-    out = Path(__file__).resolve().parent.parent / "results" / f"breakdown-{args.model}-{args.quantization}{tag}.json"
+    out = Path(args.out or Path(__file__).resolve().parent.parent / "results" /
+               f"breakdown-{args.model}-{args.quantization}{tag}.json")
     out.write_text(json.dumps(dict(args=vars(args), step_ms=round(total, 2),
                                    ms={**{k: round(v, 2) for k, v in per.items()}, "rest": round(rest, 2)}), indent=1))
     print(f"wrote {out}")
