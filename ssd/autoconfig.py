@@ -122,6 +122,14 @@ def budgets(k: int) -> list[int]:
     return sorted({1, 2} | {p * (k + 1) for p in (1, 2, 3, 4)})
 
 
+def feed_time(t_chain: dict[int, float]) -> float | None:
+    """Seconds per extra token in one draft forward: the slope of the chain timings (None with one point)."""
+    ns = sorted(t_chain)
+    if len(ns) < 2:
+        return None
+    return max(0.0, (t_chain[ns[-1]] - t_chain[ns[0]]) / (ns[-1] - ns[0]))
+
+
 def spec_time(t_chain: dict[int, float], t_branch: dict[int, float], k: int, b: int) -> float:
     """Start-up estimate of one round's speculation: score the K + 1 chain tokens, then K steps of b branches."""
     return t_chain[k + 1] + k * t_branch[b]

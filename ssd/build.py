@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ssd.autoconfig import K_CHOICES, AutoConfig, KTuner, SSDTuner, autoconfigure, spec_time
+from ssd.autoconfig import K_CHOICES, AutoConfig, KTuner, SSDTuner, autoconfigure, feed_time, spec_time
 from ssd.config import Config
 from ssd.engine import Engine
 from ssd.fanout import FanoutPlanner
@@ -72,7 +72,7 @@ def make_mode(
     )
     if ac is not None:  # the policy starts from this machine's latencies
         spec = spec_time(ac.t_chain, ac.t_draft, ac.k, ac.budget)
-        mode.cost.seed(ac.t_verify, draft_step=ac.t_draft[1], speculate=spec)
+        mode.cost.seed(ac.t_verify, draft_step=ac.t_draft[1], speculate=spec, feed=feed_time(ac.t_chain))
         if ac.borrow_share is not None:
             mode.cost.enable_borrow(ac.borrow_share)
     return mode

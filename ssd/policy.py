@@ -90,6 +90,7 @@ class CostModel:
     v1: Ema = field(default_factory=lambda: Ema(0.002))
     draft_step: Ema = field(default_factory=lambda: Ema(0.02))  # one batched draft forward
     speculate: Ema = field(default_factory=lambda: Ema(0.08))  # SSD draft work for one round
+    feed: Ema = field(default_factory=lambda: Ema(0.003))  # a draft forward's cost per extra token fed
     acceptance: RateEma = field(default_factory=lambda: RateEma(0.7, RATE_ALPHA))  # per-token, neural draft
     fast_acceptance: RateEma = field(default_factory=lambda: RateEma(0.2))  # per-token, fast backup / n-gram
     p_hit: RateEma = field(default_factory=lambda: RateEma(0.5, RATE_ALPHA))  # per-sequence hit rate
@@ -105,7 +106,10 @@ class CostModel:
     # no borrowing.
     borrow: RateEma | None = None
 
-    def seed(self, t_verify: dict[int, float], draft_step: float | None = None, speculate: float | None = None) -> None:
+    def seed(
+        self, t_verify: dict[int, float], draft_step: float | None = None, speculate: float | None = None,
+        feed: float | None = None,
+    ) -> None:
         """Start from latencies measured at start-up instead of the generic defaults (each counts as one
         observation, so rounds refine it). t_verify: seconds per forward of n tokens, n = 1 included.
 
@@ -120,7 +124,7 @@ class CostModel:
         slope = sum((n - mean_n) * (t_verify[n] - mean_t) for n in ns) / sum((n - mean_n) ** 2 for n in ns)
         slope = max(0.0, slope)
         for ema, value in ((self.v1, slope), (self.v0, t_verify[1] - slope), (self.draft_step, draft_step),
-                           (self.speculate, speculate)):
+                           (self.speculate, speculate), (self.feed, feed)):
             if value is not None:
                 ema.value, ema.n = value, 1
 
@@ -205,6 +209,7 @@ def choose(
     ngram: tuple[float, int] | None = None,
     prepared: float = 1.0,
     current: str | None = None,
+    lag: int = 0,
 ) -> tuple[str, dict[str, float]]:
     """Return the option with the lowest expected seconds per emitted token, and all the scores
     (calibrated by each option's measured / predicted round times).
@@ -218,6 +223,8 @@ def choose(
     prompts where steady-state SSD beat AR (MT-Bench); not charged at all, the policy flapped.
     `current`: last round's option. From a ready SSD pipeline (`prepared` = 1) only an SSD option, or
     one cheaper by SWITCH_MARGIN, is taken.
+    `lag`: tokens the draft has not been fed yet (rounds on borrowed cores leave it idle). SD and SSD
+    feed them first, a one-off cost spread over the switch horizon like the catch-up draft.
     """
     a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.p_hit.value
     lend = cost.borrow_factor()  # AR, SD and n-gram verify on borrowed cores where the target can
@@ -230,15 +237,16 @@ def choose(
     # AR: one token per sequence per target step.
     scores["ar"] = lend * cost.verify_time(batch) / batch
     # SD: the draft runs before the target, on the critical path.
-    scores["sd"] = (t_draft + lend * t_ver) / (batch * e_sd)
+    h = SWITCH_HORIZON
+    backlog = lag * cost.feed.value  # the draft's first forward feeds the tokens it has not seen
+    scores["sd"] = (t_draft + lend * t_ver + backlog / h) / (batch * e_sd)
     # SSD: speculation overlaps verification; a miss costs the backup's latency.
     overlap = max(t_ver, cost.speculate.value)
-    h = SWITCH_HORIZON
     catch_up = t_draft if prepared < 1.0 else 0.0  # one batched just-in-time draft for the unprepared
-    scores["ssd_neural"] = (overlap + (1 - all_hit) * t_draft + catch_up / h) / (batch * e_sd)
+    scores["ssd_neural"] = (overlap + (1 - all_hit) * t_draft + (catch_up + backlog) / h) / (batch * e_sd)
     steady_fast = p * e_sd + (1 - p) * e_fast  # tokens per sequence and round
     first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
-    scores["ssd_fast"] = h * overlap / (batch * (first_fast + (h - 1) * steady_fast))
+    scores["ssd_fast"] = (h * overlap + backlog) / (batch * (first_fast + (h - 1) * steady_fast))
     # n-gram SD: verification only; drafting is a lookup (the draft model speculates meanwhile only
     # when that fits inside the verification and the target is not borrowing the draft's cores).
     a_ngram, k_ngram = ngram if ngram is not None else (a_fast, k)

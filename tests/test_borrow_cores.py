@@ -10,7 +10,7 @@ from tiny_models import GREEDY, PROMPTS, random_model
 from ssd import LLM
 from ssd.config import Config
 from ssd.launch.placement import plan_placement
-from ssd.policy import CostModel, Ema, RateEma, choose
+from ssd.policy import CostModel, Ema, RateEma, choose, expected_tokens
 from ssd.workers.base import CoreLoan
 from ssd.workers.messages import Draft, SamplingSpec
 from ssd.workers.target_worker import TargetWorker
@@ -155,3 +155,47 @@ def test_exploration_while_borrowing_stays_with_options_that_need_no_catch_up(mo
         for borrow in (True, False):
             mode.borrow = borrow
             assert mode._explorable("ssd_neural", "ssd_fast", 1.0) and not mode._explorable("ar", "ssd_fast", 1.0)
+
+
+def test_policy_prices_the_draft_backlog_of_borrowed_rounds():
+    """Tokens the draft has not been fed (lazy commits while the target borrows its core) are a one-off
+    cost of the next SD or SSD round, spread over the switch horizon; AR and n-gram do not pay it."""
+    from ssd.policy import SWITCH_HORIZON
+
+    c = CostModel()
+    c.v0, c.v1, c.feed = Ema(0.10), Ema(0.02), Ema(0.004)
+    c.enable_borrow(0.5)
+    _, base = choose(c, 1, 3, prepared=0.0)
+    best, lagged = choose(c, 1, 3, prepared=0.0, lag=50)
+    backlog = 50 * 0.004 / SWITCH_HORIZON  # seconds per round
+    e_sd = expected_tokens(c.acceptance.value, 3)
+    assert lagged["sd"] == pytest.approx(base["sd"] + backlog / e_sd)
+    assert lagged["ssd_neural"] == pytest.approx(base["ssd_neural"] + backlog / e_sd)
+    assert lagged["ssd_fast"] > base["ssd_fast"]
+    assert lagged["ar"] == base["ar"] and lagged["ngram"] == base["ngram"]
+    assert min(base, key=base.get) != "ar" and best == "ar"  # a long backlog keeps the policy on AR
+
+
+def test_borrowed_rounds_count_the_draft_backlog_until_a_draft_round_feeds_it(models, ar_outputs, monkeypatch):
+    import itertools
+
+    import ssd.modes.ssd as ssd_mode
+
+    order, lags = itertools.cycle(["ar", "ar", "ngram", "ssd_neural", "ar", "sd"]), []
+
+    def fake_choose(cost, batch, k, allowed, ngram=None, prepared=1.0, current=None, lag=0):
+        lags.append(lag)
+        return next(order), dict.fromkeys(allowed, 1.0)
+
+    monkeypatch.setattr(ssd_mode, "choose", fake_choose)
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=1, max_len=128) as llm:
+        mode = llm.engine.mode
+        mode.borrow = True
+        mode.cost.enable_borrow()
+        monkeypatch.setattr(mode, "_verify", lambda drafts, q_draft=None, borrow=False: ssd_mode.SSDMode._verify(
+            mode, drafts, q_draft))  # the choice logic only: no loan needed on this machine
+        out = llm.generate([PROMPTS[0]], GREEDY)[0]
+        assert out.token_ids == ar_outputs[0]
+        assert not mode._lag  # forgotten with the finished sequence
+    # Rounds: ar (+1), ar (+1), ngram (+n), ssd_neural (fed: 0), ar (+1), sd (fed), ...
+    assert lags[:2] == [0, 1] and lags[2] == 2 and lags[3] > 2 and lags[4] == 0 and lags[5] == 1 and lags[6] == 0

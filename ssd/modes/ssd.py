@@ -81,6 +81,7 @@ class SSDMode(DraftBackedMode):
         self._lookups: dict[int, tuple[list[int], int]] = {}  # this round's lookups: seq_id -> (tokens, match)
         self._match: dict[int, int] = {}  # seq_id -> suffix length the current n-gram draft matched
         self._prepared = 1.0  # share of this round's sequences whose speculation was ready
+        self._lag: dict[int, int] = {}  # seq_id -> emitted tokens committed to the draft lazily, not yet fed
 
     # -- sequences ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -91,6 +92,7 @@ class SSDMode(DraftBackedMode):
         self.current.pop(seq.seq_id, None)
         self.fanout_used.pop(seq.seq_id, None)
         self._match.pop(seq.seq_id, None)
+        self._lag.pop(seq.seq_id, None)
         self._rng.pop(seq.seq_id, None)
         self.planner.forget(seq.seq_id)
         super().remove(seq)
@@ -103,8 +105,9 @@ class SSDMode(DraftBackedMode):
             ngram = self._ngram_plan(seqs) if "ngram" in self.allowed else None
             prepared = sum(s.seq_id in self.current for s in seqs) / len(seqs)
             self._prepared = prepared
+            lag = max(self._lag.get(s.seq_id, 0) for s in seqs)
             choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared,
-                                              current=self.last_choice or None)
+                                              current=self.last_choice or None, lag=lag)
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up (from a
             # ready SSD pipeline only the other SSD option, which keeps the prepared speculation).
             self._rounds_since_explore += 1
@@ -199,7 +202,7 @@ class SSDMode(DraftBackedMode):
         if choice == "sd" or (choice == "ngram" and not self._speculate_on_ngram(drafts)):
             outcomes = self._timed_verify(drafts, q_draft, borrow=self.borrow)
             for o in outcomes:
-                self.draft.call("commit", o.seq_id, o.tokens, choice == "ngram" and not self.borrow)
+                self._commit(o, feed_ahead=choice == "ngram" and not self.borrow, idle=choice == "ngram")
             self.current.clear()
         else:
             outcomes = self._ssd_round(seqs, drafts, q_draft, sources, neural=choice == "ssd_neural")
@@ -254,6 +257,15 @@ class SSDMode(DraftBackedMode):
         self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), time.perf_counter() - t0, borrowed=borrow)
         return outcomes
 
+    def _commit(self, o: Outcome, feed_ahead: bool, idle: bool) -> None:
+        """Tell the draft the emitted tokens. `idle`: no draft forward follows in this round's mode (AR,
+        n-gram), so tokens committed lazily pile up until SD or SSD feeds them (the policy prices that)."""
+        self.draft.call("commit", o.seq_id, o.tokens, feed_ahead)
+        if idle and not feed_ahead:
+            self._lag[o.seq_id] = self._lag.get(o.seq_id, 0) + len(o.tokens)
+        else:
+            self._lag.pop(o.seq_id, None)
+
     def _draft_call(self, method: str, *args):
         try:
             return self.draft.call(method, *args).result()
@@ -266,7 +278,7 @@ class SSDMode(DraftBackedMode):
         drafts = [Draft(seq_id=s.seq_id) for s in seqs]
         outcomes = self._timed_verify(drafts, [None] * len(seqs), borrow=self.borrow)
         for o in outcomes:  # feed-ahead meanwhile on the draft's own device, unless the target borrows it
-            self.draft.call("commit", o.seq_id, o.tokens, not self.borrow)
+            self._commit(o, feed_ahead=not self.borrow, idle=True)
         self.current.clear()
         self._shadow_ngram(seqs, drafts, outcomes)
         self._record(seqs, drafts, outcomes, "ar")
@@ -289,7 +301,9 @@ class SSDMode(DraftBackedMode):
             )
         t0 = time.perf_counter()
         fut_v = self.target.call("verify", drafts, q_draft)
-        fut_s = self.draft.call("speculate", requests)  # runs on the draft's device meanwhile
+        fut_s = self.draft.call("speculate", requests)  # runs on the draft's device meanwhile (feeds any lag)
+        for s in seqs:
+            self._lag.pop(s.seq_id, None)
         outcomes = fut_v.result()  # a target failure propagates: it fails the batch with its error
         t_verify = time.perf_counter() - t0
         self.stats.verify_s += t_verify
