@@ -147,7 +147,10 @@ def test_replaced_tensors_are_noticed():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_silu_mul_matches_torch(dtype):
-    gu = (torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    gu = torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(0)) * 4
+    # 300 columns: a partial 8-lane chunk per row; extremes: exp's clamps, zero, subnormal results.
+    gu[0, :8] = torch.tensor([-100.0, -88.5, -87.0, -30.0, 0.0, 30.0, 88.5, 100.0])
+    gu = gu.to(dtype)
     got = cpu_kernels.silu_mul(gu)
     gate, up = gu.chunk(2, dim=-1)
     want = F.silu(gate) * up  # torch's exp may differ from libm's in the last fp32 bit
@@ -173,3 +176,13 @@ def test_decoder_layers_rejects_mismatched_input():
         f.run(x.float(), cos, cos, w, w, plan)  # activations in another dtype than the tables
     with pytest.raises(ValueError, match="fused decoder layers unavailable"):
         fused.FusedLayers(tiny("int8"), r.kv.k, r.kv.v)
+
+
+def test_silu_mul_bf16_rounds_each_op_as_torch():
+    """bf16: silu in fp32, rounded to bf16, times up in fp32, rounded again (torch's op-by-op rounding):
+    checked bitwise against torch applied to the kernel's own fp32 silu (up = 1 gives it exactly)."""
+    gu = (torch.randn(3, 2 * 203, generator=torch.Generator().manual_seed(1)) * 6).bfloat16()
+    gate, up = gu.float().chunk(2, dim=-1)
+    silu32 = cpu_kernels.silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=-1))
+    want = (silu32.bfloat16().float() * up).bfloat16()
+    assert torch.equal(cpu_kernels.silu_mul(gu), want)

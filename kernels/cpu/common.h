@@ -2,6 +2,7 @@
 // source calls in another (all compiled into one library by ssd.kernels.cpu).
 #pragma once
 
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -30,6 +31,47 @@ inline void act_store(void* p, size_t i, float v, int bf16) {
         static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
     else
         static_cast<float*>(p)[i] = v;
+}
+
+// 8 floats rounded to bf16 and back, exactly as f32_to_bf16 (nearest even; NaNs stay quiet NaNs).
+inline __m256 round_bf16_8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// 8 activations from `at` of a bf16 / fp32 buffer into fp32 (bf16: the bits shifted up, exact).
+inline void load8(const void* p, int64_t at, int bf16, float* dst) {
+    if (bf16) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + at));
+        _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    } else {
+        memcpy(dst, static_cast<const float*>(p) + at, sizeof(float) * 8);
+    }
+}
+
+// exp(x) for 8 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), x clamped to
+// [-87.3, 88.4] so 2^n stays a normal float. Explicit FMAs and -ffp-contract=off: the same bits in the
+// AVX2 and AVX-512 builds.
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447505f)), _mm256_set1_ps(88.3762626647949f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact n * hi
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
 }
 
 extern "C" {

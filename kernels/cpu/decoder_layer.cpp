@@ -7,6 +7,7 @@
 // bits; every step is also row-independent, so scoring K+1 tokens gives each token the bits it
 // gets when decoded alone.
 
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -40,16 +41,41 @@ struct SsdLayer {
     void* v_cache;
 };
 
-// y = silu(gu[:, :I]) * gu[:, I:] per row, each op rounded to the dtype as torch's F.silu(gate) * up.
+// y = silu(gu[:, :I]) * gu[:, I:] per row, each op rounded to the dtype as torch's F.silu(gate) * up:
+// silu(g) = g / (1 + exp(-g)) in fp32, with exp computed 8 lanes at a time (exp8: within ~2 ulp of
+// libm's expf, the same bits in every build and for every element whatever its position).
 void ssd_silu_mul(const void* gu, void* y, int bf16, int M, int I, int nthreads) {
-    const int64_t total = static_cast<int64_t>(M) * I;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (total >= 4096)
-    for (int64_t e = 0; e < total; ++e) {
-        const int64_t m = e / I, i = e % I;
-        const float g = act_load(gu, m * 2 * I + i, bf16);
-        float s = g / (1.0f + expf(-g));
-        if (bf16) s = bf16_to_f32(f32_to_bf16(s));
-        act_store(y, e, s * act_load(gu, m * 2 * I + I + i, bf16), bf16);
+    const int chunks = (I + 7) / 8;
+    const int64_t jobs = static_cast<int64_t>(M) * chunks;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (jobs >= 512)
+    for (int64_t job = 0; job < jobs; ++job) {
+        const int64_t m = job / chunks;
+        const int i0 = static_cast<int>(job % chunks) * 8, n = I - i0 < 8 ? I - i0 : 8;
+        const int64_t at_g = m * 2 * I + i0, at_u = at_g + I, at_y = m * I + i0;
+        alignas(32) float g[8] = {}, u[8] = {}, out[8];
+        if (n == 8) {
+            load8(gu, at_g, bf16, g);
+            load8(gu, at_u, bf16, u);
+        } else {
+            for (int j = 0; j < n; ++j) {
+                g[j] = act_load(gu, at_g + j, bf16);
+                u[j] = act_load(gu, at_u + j, bf16);
+            }
+        }
+        const __m256 gv = _mm256_load_ps(g);
+        __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        if (bf16) sv = round_bf16_8(sv);
+        const __m256 yv = _mm256_mul_ps(sv, _mm256_load_ps(u));
+        if (n == 8 && bf16) {  // round to bf16 and keep the high halves, in order
+            const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(yv)), 16);
+            const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(y) + at_y), packed);
+        } else if (n == 8) {
+            _mm256_storeu_ps(static_cast<float*>(y) + at_y, yv);
+        } else {
+            _mm256_store_ps(out, yv);
+            for (int j = 0; j < n; ++j) act_store(y, at_y + j, out[j], bf16);
+        }
     }
 }
 

@@ -100,6 +100,21 @@ inline float dot_f32(const float* a, const float* b, int n) {
     return s;
 }
 
+// dot_f32(a + j * stride, b, n) for j = 0..3, as four independent chains (the same steps per dot).
+inline void dot4_f32(const float* a, int stride, const float* b, int n, float* out) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 bv = _mm256_loadu_ps(b + i);
+        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + j * stride + i), bv, acc[j]);
+    }
+    for (int j = 0; j < 4; ++j) {
+        float s = hsum(acc[j]);
+        for (int t = i; t < n; ++t) s += a[j * stride + t] * b[t];
+        out[j] = s;
+    }
+}
+
 // Quantised activations as the kernels read them: xq [M, nbp * 32], dx and sx [M, nbp], nbp = blocks
 // rounded up to a whole group of 8, zero padded; for q6 also sx16 [M, nbp, 2] = dx * sum(xq) per
 // half block (q6 has a scale per 16 weights).
@@ -861,7 +876,9 @@ void ssd_attend_rows(const void* q, int64_t q_stride, const void* kc, const void
         auto load = [&](const void* base, size_t at, float* dst) {
             if (bf16) {
                 const uint16_t* p = static_cast<const uint16_t*>(base) + at;
-                for (int d = 0; d < hd; ++d) dst[d] = bf16_to_f32(p[d]);
+                int d = 0;
+                for (; d + 8 <= hd; d += 8) load8(base, static_cast<int64_t>(at) + d, 1, dst + d);
+                for (; d < hd; ++d) dst[d] = bf16_to_f32(p[d]);
             } else {
                 memcpy(dst, static_cast<const float*>(base) + at, sizeof(float) * hd);
             }
@@ -872,17 +889,27 @@ void ssd_attend_rows(const void* q, int64_t q_stride, const void* kc, const void
         auto pos_of = [&](int l) -> size_t { return off[r] < 0 ? l : static_cast<size_t>(idx[off[r] + l]); };
         for (int l = 0; l < L; ++l) {
             load(kc, (head_base + pos_of(l)) * hd, row);
-            for (int g = 0; g < group; ++g) sc[g * L + l] = dot_f32(qf + g * hd, row, hd) * scale;
+            int g = 0;
+            for (; g + 4 <= group; g += 4) {
+                float d4[4];
+                dot4_f32(qf + g * hd, hd, row, hd, d4);
+                for (int j = 0; j < 4; ++j) sc[(g + j) * L + l] = d4[j] * scale;
+            }
+            for (; g < group; ++g) sc[g * L + l] = dot_f32(qf + g * hd, row, hd) * scale;
         }
         for (int g = 0; g < group; ++g) {
             float* s = sc + static_cast<size_t>(g) * L;
             float mx = -INFINITY;
             for (int l = 0; l < L; ++l) mx = s[l] > mx ? s[l] : mx;
-            float sum = 0.0f;
-            for (int l = 0; l < L; ++l) {
-                s[l] = expf(s[l] - mx);
-                sum += s[l];
+            for (int l = 0; l < L; l += 8) {  // exp8 on 8 positions at a time (a padded last chunk)
+                alignas(32) float t[8] = {};
+                const int n = L - l < 8 ? L - l : 8;
+                for (int j = 0; j < n; ++j) t[j] = s[l + j] - mx;
+                _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
+                memcpy(s + l, t, sizeof(float) * n);
             }
+            float sum = 0.0f;
+            for (int l = 0; l < L; ++l) sum += s[l];
             const float inv = 1.0f / sum;
             for (int l = 0; l < L; ++l) s[l] *= inv;
         }
