@@ -185,6 +185,19 @@ inline __m256i q8_block_dot(const __m256i& wabs, const __m256i& wq, const int8_t
 #endif
 }
 
+// Runs group(weights, g, cnt) over a q8 row's groups of 8 blocks (g: the first block); a short last group
+// reads a zero-padded copy, so its absent blocks add exact zeros.
+template <class Group>
+inline void q8_groups(const uint8_t* w, int nb, Group group) {
+    const int full = nb / 8 * 8;
+    for (int g = 0; g < full; g += 8) group(w + static_cast<size_t>(g) * 32, g, 8);
+    if (full < nb) {
+        alignas(64) uint8_t tail[8 * 32] = {};
+        memcpy(tail, w + static_cast<size_t>(full) * 32, static_cast<size_t>(nb - full) * 32);
+        group(tail, full, nb - full);
+    }
+}
+
 // One q8 weight row against R activation rows from `a` (starting at row m0). A short last
 // group reads a zero-padded copy: absent blocks add exact zeros.
 template <int R>
@@ -213,13 +226,7 @@ inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
         }
     };
-    const int full = nb / 8 * 8;
-    for (int g = 0; g < full; g += 8) group(w + static_cast<size_t>(g) * 32, g, 8);
-    if (full < nb) {
-        alignas(32) uint8_t tail[8 * 32] = {};
-        memcpy(tail, w + static_cast<size_t>(full) * 32, static_cast<size_t>(nb - full) * 32);
-        group(tail, full, nb - full);
-    }
+    q8_groups(w, nb, group);
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
 
@@ -263,13 +270,7 @@ inline void row_dot_q8_512(const uint8_t* w, const uint16_t* sc, const QActs& a,
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
         }
     };
-    const int full = nb / 8 * 8;
-    for (int g = 0; g < full; g += 8) group(w + static_cast<size_t>(g) * 32, g, 8);
-    if (full < nb) {
-        alignas(64) uint8_t tail[8 * 32] = {};
-        memcpy(tail, w + static_cast<size_t>(full) * 32, static_cast<size_t>(nb - full) * 32);
-        group(tail, full, nb - full);
-    }
+    q8_groups(w, nb, group);
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
 #else
@@ -286,6 +287,78 @@ constexpr int TILE_BLOCK_BYTES = FMT == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : 192
 template <int FMT>
 constexpr int SCALE_PARTS = FMT == FMT_Q6 ? 2 : 1;
 
+// Prefetch `pf` bytes ahead of block b in a tile's code stream w (tiles are contiguous, so this also warms
+// the next tile), and its scales (16 bytes per block and part: a line per part every 4 blocks) and q4
+// offsets.
+template <int FMT>
+inline void prefetch_block(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, int b, int pf) {
+    constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
+    const char* wb = reinterpret_cast<const char*>(w + static_cast<size_t>(b) * block_bytes);
+    for (int q = 0; q < block_bytes; q += 64) _mm_prefetch(wb + pf + q, _MM_HINT_T0);
+    if (b % 4 == 0) {
+        for (int q = 0; q < parts; ++q)
+            _mm_prefetch(reinterpret_cast<const char*>(sc + b * parts * 8) + pf / 8 + 64 * q, _MM_HINT_T0);
+        if (FMT == FMT_Q4) _mm_prefetch(reinterpret_cast<const char*>(oc + b * 8) + pf / 8, _MM_HINT_T0);
+    }
+}
+
+// Activations 8c..8c+3 and 8c+4..8c+7 of block b of row m as two 32-bit words (the kernels broadcast each
+// to every lane).
+inline void act_words(const QActs& a, int m, int b, int c, int32_t& lo, int32_t& hi) {
+    const int8_t* x = a.xq + (static_cast<size_t>(m) * a.nbp + b) * QK + 8 * c;
+    memcpy(&lo, x, 4);
+    memcpy(&hi, x + 4, 4);
+}
+
+// The one-tile (256-bit) and two-tile (512-bit) kernels unpack codes alike; these overloads let one
+// template (unpack_codes) serve both vector widths.
+inline __m256i v_and(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
+inline __m256i v_or(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
+inline __m256i v_shift16(__m256i a, int left) {
+    return left >= 0 ? _mm256_slli_epi16(a, left) : _mm256_srli_epi16(a, -left);
+}
+template <class V>
+V v_bytes(char c);
+template <>
+inline __m256i v_bytes<__m256i>(char c) { return _mm256_set1_epi8(c); }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512i v_and(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
+inline __m512i v_or(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
+inline __m512i v_shift16(__m512i a, int left) {
+    return left >= 0 ? _mm512_slli_epi16(a, left) : _mm512_srli_epi16(a, -left);
+}
+template <>
+inline __m512i v_bytes<__m512i>(char c) { return _mm512_set1_epi8(c); }
+#endif
+
+// One block's codes for scale part `part`: lo[cc] / hi[cc] = the low / high nibbles of chunk
+// part * chunks + cc, with the high-bit planes (q5: bit 4; q6: bits 4-5 of vector v) moved into place
+// by 16-bit shifts (no bit crosses into the masked bits of the other byte). `load(off)`: the 32 bytes
+// at offset `off` of the block, of one tile or of two (V).
+template <int FMT, class V, class Load>
+inline void unpack_codes(Load load, int part, V* lo, V* hi) {
+    constexpr int chunks = 4 / SCALE_PARTS<FMT>;
+    const V mask = v_bytes<V>(0x0F), high_mask = v_bytes<V>(FMT == FMT_Q6 ? 0x30 : 0x10);
+    V plane[2] = {v_bytes<V>(0), v_bytes<V>(0)};
+    if (FMT != FMT_Q4) plane[0] = load(128);
+    if (FMT == FMT_Q6) plane[1] = load(160);
+    auto high = [&](int v) {
+        const int from = FMT == FMT_Q5 ? v : 2 * (v % 4);  // the bit (q6: the 2 bits) of vector v
+        return v_and(v_shift16(plane[FMT == FMT_Q6 ? v / 4 : 0], 4 - from), high_mask);
+    };
+#pragma GCC unroll 4
+    for (int cc = 0; cc < chunks; ++cc) {
+        const int c = part * chunks + cc;
+        const V v = load(32 * c);
+        lo[cc] = v_and(v, mask);
+        hi[cc] = v_and(v_shift16(v, -4), mask);
+        if (FMT != FMT_Q4) {
+            lo[cc] = v_or(lo[cc], high(2 * c));
+            hi[cc] = v_or(hi[cc], high(2 * c + 1));
+        }
+    }
+}
+
 template <int FMT, int R>
 inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
                      float* out, int pf) {
@@ -293,30 +366,11 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, c
     constexpr int chunks = 4 / parts;  // chunks of 8 weights per scale
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    const __m256i mask = _mm256_set1_epi8(0x0F);
     [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i high_mask = _mm256_set1_epi8(FMT == FMT_Q6 ? 0x30 : 0x10);
     for (int b = 0; b < nb; ++b) {
         const uint8_t* wb = w + static_cast<size_t>(b) * block_bytes;
-        if (pf != 0) {
-            for (int q = 0; q < block_bytes; q += 64) _mm_prefetch(reinterpret_cast<const char*>(wb) + pf + q, _MM_HINT_T0);
-            if (b % 4 == 0) {  // 16 bytes of scales per block and part: a line per part and 4 blocks
-                for (int q = 0; q < parts; ++q)
-                    _mm_prefetch(reinterpret_cast<const char*>(sc + b * parts * 8) + pf / 8 + 64 * q, _MM_HINT_T0);
-                if (FMT == FMT_Q4) _mm_prefetch(reinterpret_cast<const char*>(oc + b * 8) + pf / 8, _MM_HINT_T0);
-            }
-        }
-        // High bits of unpacked vector v moved into place (q5: bit 4; q6: bits 4-5) by 16-bit shifts:
-        // no bit crosses into the masked bits of the other byte.
-        __m256i plane[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        if (FMT != FMT_Q4) plane[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128));
-        if (FMT == FMT_Q6) plane[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 160));
-        auto high = [&](int v) {
-            const int from = FMT == FMT_Q5 ? v : 2 * (v % 4);  // the bit (q6: the 2 bits) of vector v
-            const __m256i p = plane[FMT == FMT_Q6 ? v / 4 : 0];
-            const __m256i moved = from <= 4 ? _mm256_slli_epi16(p, 4 - from) : _mm256_srli_epi16(p, from - 4);
-            return _mm256_and_si256(moved, high_mask);
-        };
+        if (pf != 0) prefetch_block<FMT>(w, sc, oc, b, pf);
+        auto load = [&](int off) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + off)); };
         for (int part = 0; part < parts; ++part) {
             // int16 lanes 2r, 2r + 1 (int32 lane r) hold weight row r's partial sums; widened to int32
             // before they could overflow (q4: after 8 maddubs, 8 * 2 * 15 * 127 < 2^15; q5: after 4,
@@ -326,27 +380,15 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, c
             __m256i sum16[R], sum32[R];
             for (int i = 0; i < R; ++i) sum16[i] = sum32[i] = _mm256_setzero_si256();
             __m256i lo[chunks], hi[chunks];
-#pragma GCC unroll 4
-            for (int cc = 0; cc < chunks; ++cc) {
-                const int c = part * chunks + cc;
-                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-                lo[cc] = _mm256_and_si256(v, mask);
-                hi[cc] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-                if (FMT != FMT_Q4) {
-                    lo[cc] = _mm256_or_si256(lo[cc], high(2 * c));
-                    hi[cc] = _mm256_or_si256(hi[cc], high(2 * c + 1));
-                }
-            }
+            unpack_codes<FMT>(load, part, lo, hi);
 #pragma GCC unroll 4
             for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 4
                 for (int cc = 0; cc < chunks; ++cc) {
                     const int c = part * chunks + cc;
                     const bool widen = FMT == FMT_Q4 ? c == 3 : FMT == FMT_Q5 ? c % 2 == 1 : true;
-                    const int8_t* x = a.xq + (static_cast<size_t>(m0 + i) * a.nbp + b) * QK + 8 * c;
-                    int32_t x_lo, x_hi;  // activations 8c..8c+3 and 8c+4..8c+7
-                    memcpy(&x_lo, x, 4);
-                    memcpy(&x_hi, x + 4, 4);
+                    int32_t x_lo, x_hi;
+                    act_words(a, m0 + i, b, c, x_lo, x_hi);
 #if SSD_VNNI
                     // No int16 stage: low and high nibbles go to two int32 chains (half the dependent
                     // latency), added up below.
@@ -410,60 +452,26 @@ inline void tile2_dot(const uint8_t* wa, const uint8_t* wb, const uint16_t* sa, 
     constexpr int chunks = 4 / parts;
     __m512 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-    const __m512i mask = _mm512_set1_epi8(0x0F);
-    const __m512i high_mask = _mm512_set1_epi8(FMT == FMT_Q6 ? 0x30 : 0x10);
     for (int b = 0; b < nb; ++b) {
         const uint8_t* ba = wa + static_cast<size_t>(b) * block_bytes;
         const uint8_t* bb = wb + static_cast<size_t>(b) * block_bytes;
         if (pf != 0) {
-            for (int q = 0; q < block_bytes; q += 64) {
-                _mm_prefetch(reinterpret_cast<const char*>(ba) + pf + q, _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(bb) + pf + q, _MM_HINT_T0);
-            }
-            if (b % 4 == 0) {
-                for (int q = 0; q < parts; ++q) {
-                    _mm_prefetch(reinterpret_cast<const char*>(sa + b * parts * 8) + pf / 8 + 64 * q, _MM_HINT_T0);
-                    _mm_prefetch(reinterpret_cast<const char*>(sb + b * parts * 8) + pf / 8 + 64 * q, _MM_HINT_T0);
-                }
-                if (FMT == FMT_Q4) {
-                    _mm_prefetch(reinterpret_cast<const char*>(oa + b * 8) + pf / 8, _MM_HINT_T0);
-                    _mm_prefetch(reinterpret_cast<const char*>(ob + b * 8) + pf / 8, _MM_HINT_T0);
-                }
-            }
+            prefetch_block<FMT>(wa, sa, oa, b, pf);
+            prefetch_block<FMT>(wb, sb, ob, b, pf);
         }
-        __m512i plane[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        if (FMT != FMT_Q4) plane[0] = load2(ba + 128, bb + 128);
-        if (FMT == FMT_Q6) plane[1] = load2(ba + 160, bb + 160);
-        auto high = [&](int v) {
-            const int from = FMT == FMT_Q5 ? v : 2 * (v % 4);
-            const __m512i p = plane[FMT == FMT_Q6 ? v / 4 : 0];
-            const __m512i moved = from <= 4 ? _mm512_slli_epi16(p, 4 - from) : _mm512_srli_epi16(p, from - 4);
-            return _mm512_and_si512(moved, high_mask);
-        };
+        auto load = [&](int off) { return load2(ba + off, bb + off); };
         for (int part = 0; part < parts; ++part) {
             __m512i sum_lo[R], sum_hi[R];
             for (int i = 0; i < R; ++i) sum_lo[i] = sum_hi[i] = _mm512_setzero_si512();
             __m512i lo[chunks], hi[chunks];
-#pragma GCC unroll 4
-            for (int cc = 0; cc < chunks; ++cc) {
-                const int c = part * chunks + cc;
-                const __m512i v = load2(ba + 32 * c, bb + 32 * c);
-                lo[cc] = _mm512_and_si512(v, mask);
-                hi[cc] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-                if (FMT != FMT_Q4) {
-                    lo[cc] = _mm512_or_si512(lo[cc], high(2 * c));
-                    hi[cc] = _mm512_or_si512(hi[cc], high(2 * c + 1));
-                }
-            }
+            unpack_codes<FMT>(load, part, lo, hi);
 #pragma GCC unroll 8
             for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 4
                 for (int cc = 0; cc < chunks; ++cc) {
                     const int c = part * chunks + cc;
-                    const int8_t* x = a.xq + (static_cast<size_t>(m0 + i) * a.nbp + b) * QK + 8 * c;
                     int32_t x_lo, x_hi;
-                    memcpy(&x_lo, x, 4);
-                    memcpy(&x_hi, x + 4, 4);
+                    act_words(a, m0 + i, b, c, x_lo, x_hi);
                     sum_lo[i] = _mm512_dpbusd_epi32(sum_lo[i], lo[cc], _mm512_set1_epi32(x_lo));
                     if (R <= 4)
                         sum_hi[i] = _mm512_dpbusd_epi32(sum_hi[i], hi[cc], _mm512_set1_epi32(x_hi));
@@ -562,6 +570,16 @@ void tile_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, 
     }
 }
 
+// The build's q8 row kernel.
+template <int R>
+inline void q8_row(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0, int nb, float* out, const uint8_t* pf) {
+#if SSD_Q8_512
+    row_dot_q8_512<R>(w, sc, a, m0, nb, out, pf);
+#else
+    row_dot_q8<R>(w, sc, a, m0, nb, out, pf);
+#endif
+}
+
 // q8: one weight row at a time, up to MC activation rows per pass.
 void block_gemm_q8(const uint8_t* w, const uint16_t* scale, const QActs& a, int M, int N, int K, void* y, int y_bf16,
                 int nthreads) {
@@ -586,29 +604,16 @@ void block_gemm_q8(const uint8_t* w, const uint16_t* scale, const QActs& a, int 
             const uint16_t* sr = scale + static_cast<size_t>(n) * nb;
             for (int m0 = 0; m0 < M; m0 += MC) {
                 const uint8_t* p = m0 == 0 ? pf : nullptr;
-#if SSD_Q8_512
                 switch (M - m0 < MC ? M - m0 : MC) {
-                    case 1: row_dot_q8_512<1>(wr, sr, a, m0, nb, part, p); break;
-                    case 2: row_dot_q8_512<2>(wr, sr, a, m0, nb, part, p); break;
-                    case 3: row_dot_q8_512<3>(wr, sr, a, m0, nb, part, p); break;
-                    case 4: row_dot_q8_512<4>(wr, sr, a, m0, nb, part, p); break;
-                    case 5: row_dot_q8_512<5>(wr, sr, a, m0, nb, part, p); break;
-                    case 6: row_dot_q8_512<6>(wr, sr, a, m0, nb, part, p); break;
-                    case 7: row_dot_q8_512<7>(wr, sr, a, m0, nb, part, p); break;
-                    default: row_dot_q8_512<8>(wr, sr, a, m0, nb, part, p); break;
+                    case 1: q8_row<1>(wr, sr, a, m0, nb, part, p); break;
+                    case 2: q8_row<2>(wr, sr, a, m0, nb, part, p); break;
+                    case 3: q8_row<3>(wr, sr, a, m0, nb, part, p); break;
+                    case 4: q8_row<4>(wr, sr, a, m0, nb, part, p); break;
+                    case 5: q8_row<5>(wr, sr, a, m0, nb, part, p); break;
+                    case 6: q8_row<6>(wr, sr, a, m0, nb, part, p); break;
+                    case 7: q8_row<7>(wr, sr, a, m0, nb, part, p); break;
+                    default: q8_row<8>(wr, sr, a, m0, nb, part, p); break;
                 }
-#else
-                switch (M - m0 < MC ? M - m0 : MC) {
-                    case 1: row_dot_q8<1>(wr, sr, a, m0, nb, part, p); break;
-                    case 2: row_dot_q8<2>(wr, sr, a, m0, nb, part, p); break;
-                    case 3: row_dot_q8<3>(wr, sr, a, m0, nb, part, p); break;
-                    case 4: row_dot_q8<4>(wr, sr, a, m0, nb, part, p); break;
-                    case 5: row_dot_q8<5>(wr, sr, a, m0, nb, part, p); break;
-                    case 6: row_dot_q8<6>(wr, sr, a, m0, nb, part, p); break;
-                    case 7: row_dot_q8<7>(wr, sr, a, m0, nb, part, p); break;
-                    default: row_dot_q8<8>(wr, sr, a, m0, nb, part, p); break;
-                }
-#endif
                 for (int i = 0; i < MC && m0 + i < M; ++i) {
                     const size_t at = static_cast<size_t>(m0 + i) * N + n;
                     if (y_bf16)
