@@ -241,3 +241,15 @@ def test_gpu_layout(monkeypatch):
         kw("--target", "llama-70b", "--draft", "llama-1b", "--gpus", "0,1,2,3", "--target-tp", "2")
     assert "cuda_graphs" not in kw("--target", "llama-70b", "--gpus", "0")  # graphs on: the Config default
     assert kw("--target", "llama-70b", "--gpus", "0", "--no-cuda-graphs")["cuda_graphs"] is False
+
+
+def test_borrow_flag():
+    """--no-borrow-draft-cores keeps auto's target on its own cores; without it the Config default holds."""
+    from ssd.launch.cli import config_kwargs, serve_parser
+
+    def kw(*argv: str) -> dict:
+        return config_kwargs(serve_parser().parse_args(list(argv)))
+
+    assert "borrow_draft_cores" not in kw("--target", "qwen-coder-1.5b", "--draft", "qwen-coder-0.5b")
+    assert kw("--target", "qwen-coder-1.5b", "--draft", "qwen-coder-0.5b",
+              "--no-borrow-draft-cores")["borrow_draft_cores"] is False
