@@ -157,7 +157,7 @@ def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool, borrow: 
     t_verify = {n: target.call("time_forward", n).result() for n in [1, *ns]}  # n = 1: the policy's AR price
     borrow_share = None
     if borrow:  # the target on the draft's cores too: one decode step and the longest verification
-        shares = [target.call("time_forward", n, 128, False, 3, True).result() / t_verify[n] for n in (1, ns[-1])]
+        shares = [target.call("time_forward", n, borrow=True).result() / t_verify[n] for n in (1, ns[-1])]
         borrow_share = sum(shares) / len(shares)
     t_chain = {n: draft.call("time_forward", n).result() for n in ns}
     sizes = sorted({b for k in K_CHOICES for b in budgets(k)})
