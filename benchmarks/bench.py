@@ -5,10 +5,12 @@ Prints a table and writes JSON. Two placements side by side (2-core machine):
   b  same total cores for all: AR/SD/n-gram use both cores; SSD splits them target / draft, and
      auto lends the draft's core to the target in rounds where the draft idles (AR, SD, n-gram)
 Optionally transformers' own generate() and assisted generate() on the same weights, dtype and
-thread count, measured in the same run (--transformers).
+thread count, measured in the same run (--transformers), and llama.cpp's plain, n-gram and
+draft-model decoding on the same GGUF files and prompts, all cores (--llama-cpp DIR, see llama_cpp.py).
 
     python benchmarks/bench.py --quick
     python benchmarks/bench.py --modes ar,sd,ngram,ssd,auto --n-humaneval 20 --n-mtbench 20
+    python benchmarks/bench.py --modes ar,auto --placements b --raw-humaneval --llama-cpp ~/llama.cpp/build/bin
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import llama_cpp  # noqa: E402
 from prompts import humaneval, humaneval_raw, mtbench  # noqa: E402
 
 from ssd import LLM, SamplingParams  # noqa: E402
@@ -146,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-mtbench", type=int, default=20)
     ap.add_argument("--raw-humaneval", action="store_true", help="HumanEval 10-15 as raw prompts (llama.cpp setting)")
     ap.add_argument("--transformers", action="store_true", help="also run transformers generate / assisted")
+    ap.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp binaries (not built by this project): adds "
+                    "its modes at placement b, on the same GGUF files and prompts")
+    ap.add_argument("--llama-cpp-modes", default="ar,ngram,draft", help=f"of {', '.join(llama_cpp.TOOLS)}")
     ap.add_argument("--quick", action="store_true", help="3 HumanEval + 2 MT-Bench prompts, 64 tokens")
     ap.add_argument("--out", default="results/bench.json")
     args = ap.parse_args(argv)
@@ -166,6 +173,23 @@ def main(argv: list[str] | None = None) -> int:
                     rows = run_mode(args, mode, placement, prompts, temperature, batch)
                     results["runs"].append({"system": "ssd", "mode": mode, "placement": placement,
                                             "temperature": temperature, "batch": batch, "prompts": rows})
+                    save(results, args.out)  # a later failure loses nothing measured
+        if args.llama_cpp and placement == "b":
+            from ssd.workers.loader import resolve_alias
+
+            cores = len(os.sched_getaffinity(0))
+            texts = llama_cpp_prompts(args, prompts)
+            for mode in args.llama_cpp_modes.split(","):
+                run = {"system": "llama.cpp", "mode": mode, "placement": placement, "temperature": 0.0, "batch": 1,
+                       "prompts": {}}
+                try:
+                    run["prompts"] = llama_cpp.run(args.llama_cpp, [mode], resolve_alias(args.target),
+                                                   resolve_alias(args.draft), texts, args.max_tokens, cores)[mode]
+                except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:  # keep what ran
+                    run["error"] = str(e)[-2000:]
+                    print(f"  llama.cpp {mode}: failed: {run['error']}", flush=True)
+                results["runs"].append(run)
+                save(results, args.out)
         if args.transformers:
             threads = 1 if placement == "a" else len(os.sched_getaffinity(0))
             for assisted in (False, True):
@@ -173,10 +197,26 @@ def main(argv: list[str] | None = None) -> int:
                 results["runs"].append({"system": "transformers", "mode": "assisted" if assisted else "ar",
                                         "placement": placement, "temperature": 0.0, "batch": 1, "prompts": rows})
     print_table(results)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    save(results, args.out)
     print(f"wrote {args.out}")
     return 0
+
+
+def save(results: dict, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(results, indent=1))
+
+
+def llama_cpp_prompts(args, prompts: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The prompt texts as bench.py's own runs feed them (chat-templated except the raw HumanEval set)."""
+    import gguf
+
+    from ssd.workers.loader import Tokenizer, resolve_alias
+
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(resolve_alias(args.target)))
+    return {name: texts if name == "humaneval_raw" else
+            [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+            for name, texts in prompts.items()}
 
 
 def print_table(results: dict) -> None:
