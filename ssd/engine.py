@@ -122,12 +122,18 @@ class Engine:
             return emitted
 
     def _admit(self, seq: Sequence) -> None:
-        """Prefill on the target and (through the mode) on the draft at once: each on its own device."""
-        added = self.target.call("add", seq.seq_id, seq.prompt_ids, spec_of(seq))
+        """Prefill on the target and (through the mode) on the draft at once: each on its own device.
+        Where the target may borrow the draft's cores, it prefills the rest of the prompt on both once
+        the draft's prefill is done."""
+        ids = seq.prompt_ids
+        cut = self.mode.prefill_cut(len(ids))
+        added = self.target.call("add", seq.seq_id, ids if cut is None else ids[:cut], spec_of(seq))
         try:
             self.mode.add(seq)
         finally:
             added.result()  # the target's error, if any, wins: it fails the request either way
+        if cut is not None:
+            self.target.call("extend", seq.seq_id, ids[cut:], True).result()
 
     def _release(self, seq: Sequence) -> None:
         self.target.call("remove", seq.seq_id)

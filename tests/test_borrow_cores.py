@@ -199,3 +199,86 @@ def test_borrowed_rounds_count_the_draft_backlog_until_a_draft_round_feeds_it(mo
         assert not mode._lag  # forgotten with the finished sequence
     # Rounds: ar (+1), ar (+1), ngram (+n), ssd_neural (fed: 0), ar (+1), sd (fed), ...
     assert lags[:2] == [0, 1] and lags[2] == 2 and lags[3] > 2 and lags[4] == 0 and lags[5] == 1 and lags[6] == 0
+
+
+LONG_PROMPTS = [[(7 * i + 3) % 37 + 1 for i in range(45)], [(5 * i + 1) % 39 + 1 for i in range(60)]]
+
+
+@two_cores
+def test_a_prompt_prefilled_in_pieces_equals_one_piece(restore_cpu_state):
+    """add(first piece) + extend(rest, on borrowed cores) leaves the same cache bits and state as adding
+    the whole prompt, so verification gives the same outcomes."""
+    model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=2, seed=5)
+    worker = TargetWorker(model, dtype="float32", quantization="w4a8", max_slots=2, max_len=96,
+                          cpu_cores=CORES[:1], spare_cores=CORES[1:2])
+    prompt = [(11 * i + 2) % 60 + 1 for i in range(40)]
+    worker.add(0, prompt, SamplingSpec(temperature=0))
+    worker.add(1, prompt[:13], SamplingSpec(temperature=0))
+    worker.extend(1, prompt[13:30])
+    worker.extend(1, prompt[30:], borrow=True)
+    a, b = worker.seqs[0], worker.seqs[1]
+    assert (a.pending, a.committed) == (b.pending, b.committed) == (prompt[-1], len(prompt) - 1)
+    kv = worker.runner.kv
+    assert kv.lengths[a.slot] == kv.lengths[b.slot] == len(prompt) - 1
+    n = len(prompt) - 1
+    assert torch.equal(kv.k[:, a.slot, :, :n], kv.k[:, b.slot, :, :n])
+    assert torch.equal(kv.v[:, a.slot, :, :n], kv.v[:, b.slot, :, :n])
+    outs = [worker.verify([Draft(seq_id=s, tokens=[5, 9, 2])])[0] for s in (0, 1)]
+    assert outs[0].tokens == outs[1].tokens and outs[0].num_accepted == outs[1].num_accepted
+    assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == set(CORES[:1])
+
+
+def test_extend_refuses_what_is_not_a_prompt_piece():
+    worker = TargetWorker(random_model(vocab=40, layers=1, seed=2), dtype="float32", max_slots=1, max_len=32)
+    with pytest.raises(KeyError, match="not added"):
+        worker.extend(3, [1, 2])
+    worker.add(0, [1, 2, 3], SamplingSpec(temperature=0))
+    with pytest.raises(ValueError, match="at least one"):
+        worker.extend(0, [])
+    worker.runner.forward([worker.seqs[0].slot], [[3, 4]])  # tokens past the committed ones, as a draft leaves
+    with pytest.raises(ValueError, match="speculative tokens"):
+        worker.extend(0, [5])
+    with pytest.raises(ValueError, match="no cores to borrow"):
+        worker.add(1, [1, 2], SamplingSpec(temperature=0), borrow=True)
+
+
+def test_prefill_cut_follows_the_measured_costs(models):
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=1, max_len=64) as llm:
+        mode = llm.engine.mode
+        mode.cost.feed, mode.cost.v1 = Ema(0.005, n=1), Ema(0.02, n=1)
+        assert mode.prefill_cut(200) is None  # not borrowing
+        mode.borrow = True
+        assert mode.prefill_cut(200) == 50  # the draft's prefill takes as long as a quarter of the target's
+        assert mode.prefill_cut(20) is None  # short: one piece
+        mode.cost.feed = Ema(0.05, n=1)
+        assert mode.prefill_cut(200) == 199  # the draft is the slower: nearly all on the target's own core
+        mode.cost.feed = Ema(0.005)
+        assert mode.prefill_cut(200) is None  # costs not measured yet
+
+
+@two_cores
+def test_auto_prefills_the_rest_of_a_prompt_on_borrowed_cores_and_stays_exact(models, monkeypatch):
+    with LLM(target=models[0], mode="ar", dtype="float32", max_batch=2, max_len=128) as llm:
+        expected = [o.token_ids for o in llm.generate(LONG_PROMPTS, GREEDY)]
+    cycle_policy(monkeypatch, ["ngram", "ar", "ssd_neural", "sd"])
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=128) as llm:
+        mode, target_w = llm.engine.mode, llm.engine.mode.target.worker
+        own = sorted(os.sched_getaffinity(0))[:1]
+        target_w.loan = CoreLoan(own, [c for c in CORES if c not in own][:1])
+        mode.borrow = True
+        mode.cost.enable_borrow()
+        mode.cost.feed, mode.cost.v1 = Ema(0.004, n=1), Ema(0.012, n=1)
+        calls: list[tuple[str, tuple]] = []
+        real = mode.target.call
+
+        def spy(method, *args):
+            calls.append((method, args))
+            return real(method, *args)
+
+        monkeypatch.setattr(mode.target, "call", spy)
+        outs = llm.generate(LONG_PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    for prompt in LONG_PROMPTS:
+        cut = round(len(prompt) / 3)
+        assert [a[1] for m, a in calls if m == "add" and a[1][0] == prompt[0] and len(a[1]) == cut] == [prompt[:cut]]
+        assert [(a[1], a[2]) for m, a in calls if m == "extend" and a[1] == prompt[cut:]] == [(prompt[cut:], True)]

@@ -149,15 +149,31 @@ class ModelWorker:
     def ping(self) -> bool:
         return True
 
-    def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec) -> None:
-        """Prefill all but the last prompt token; the last one is the first pending token."""
+    def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec, borrow: bool = False) -> None:
+        """Prefill all but the last prompt token; the last one is the first pending token. `borrow`: on
+        borrowed cores too (see `loan`)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already added")
-        slot = self.prefilled_slot(prompt_ids)
+        with self._cores(borrow):
+            slot = self.prefilled_slot(prompt_ids)
         self.seqs[seq_id] = SeqState(
             slot=slot, pending=prompt_ids[-1], committed=len(prompt_ids) - 1, spec=spec,
             gen=make_generator(spec.seed, self.salt),
         )
+
+    def extend(self, seq_id: int, prompt_ids: list[int], borrow: bool = False) -> None:
+        """Prefill more prompt tokens (a prompt added in pieces: `add` took the first): the same cache and
+        state as if they had come with `add`."""
+        st = self.seqs.get(seq_id)
+        if st is None:
+            raise KeyError(f"sequence {seq_id} not added")
+        if not prompt_ids:
+            raise ValueError("extend needs at least one prompt token")
+        if self.runner.kv.lengths[st.slot] != st.committed:
+            raise ValueError(f"sequence {seq_id} has speculative tokens in its cache: extend only a prompt")
+        with self._cores(borrow):
+            self.runner.forward([st.slot], [[st.pending, *prompt_ids[:-1]]], last_only=True)
+        st.pending, st.committed = prompt_ids[-1], st.committed + len(prompt_ids)
 
     def prefilled_slot(self, prompt_ids: list[int]) -> int:
         """A new cache slot holding all but the last prompt token (freed again if the prefill fails)."""

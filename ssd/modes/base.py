@@ -41,6 +41,11 @@ class Mode:
     def remove(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence on the draft side."""
 
+    def prefill_cut(self, n_prompt: int) -> int | None:
+        """Where the target's prefill of an n_prompt-token prompt splits: the first piece on the target's
+        own cores while the draft prefills, the rest on borrowed cores too. None: in one piece."""
+        return None
+
     def round(self, seqs: list[Sequence]) -> list[Outcome]:
         raise NotImplementedError
 

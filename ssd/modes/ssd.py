@@ -36,6 +36,7 @@ class DraftLost(Exception):
 EXPLORE_EVERY = 16  # rounds between re-measurements of a runner-up option
 EXPLORE_WITHIN = 1.5  # only options scored within this factor of the best are re-measured
 NGRAM_K_MAX = 8  # longest n-gram draft: a long match is accepted nearly always, and a lookup costs nothing
+PREFILL_SPLIT_MIN = 32  # shorter prompts prefill in one piece: a second call would cost more than it saves
 
 
 class SSDMode(DraftBackedMode):
@@ -96,6 +97,17 @@ class SSDMode(DraftBackedMode):
         self._rng.pop(seq.seq_id, None)
         self.planner.forget(seq.seq_id)
         super().remove(seq)
+
+    def prefill_cut(self, n_prompt: int) -> int | None:
+        """While borrowing: the draft prefills the prompt on its own core in ~n_prompt * feed seconds, the
+        target the first n_prompt * feed / v1 tokens on its own core meanwhile, then the rest on both
+        (measured costs, so only once start-up seeded them)."""
+        if not self.borrow or self.draft_down is not None or n_prompt < PREFILL_SPLIT_MIN:
+            return None
+        if self.cost.feed.n == 0 or self.cost.v1.n == 0 or self.cost.v1.value <= 0:
+            return None
+        cut = round(n_prompt * self.cost.feed.value / self.cost.v1.value)
+        return min(max(cut, 1), n_prompt - 1)
 
     # -- policy ------------------------------------------------------------------------------
     def _choose(self, seqs: list[Sequence]) -> str:
