@@ -128,12 +128,16 @@ class Engine:
         ids = seq.prompt_ids
         cut = self.mode.prefill_cut(len(ids))
         added = self.target.call("add", seq.seq_id, ids if cut is None else ids[:cut], spec_of(seq))
+        t0 = time.perf_counter()
         try:
             self.mode.add(seq)
+            draft_s = time.perf_counter() - t0
         finally:
             added.result()  # the target's error, if any, wins: it fails the request either way
         if cut is not None:
+            t0 = time.perf_counter()
             self.target.call("extend", seq.seq_id, ids[cut:], True).result()
+            self.mode.observe_prefill(len(ids), cut, draft_s, time.perf_counter() - t0)
 
     def _release(self, seq: Sequence) -> None:
         self.target.call("remove", seq.seq_id)

@@ -254,6 +254,12 @@ def test_prefill_cut_follows_the_measured_costs(models):
         assert mode.prefill_cut(200) == 199  # the draft is the slower: nearly all on the target's own core
         mode.cost.feed = Ema(0.005)
         assert mode.prefill_cut(200) is None  # costs not measured yet
+        # A split prefill: the draft took 2 s for 200 tokens (10 ms each); the target 1.5 s for the last 150
+        # on borrowed cores, i.e. 10 ms each, 20 ms on its own core at a borrowed / own share of 0.5.
+        mode.cost.enable_borrow(0.5)
+        mode.observe_prefill(200, 50, 2.0, 1.5)
+        assert mode.prefill_ratio.value == pytest.approx(0.5)
+        assert mode.prefill_cut(200) == 100  # measured prefills now decide, not the decode costs
 
 
 @two_cores
@@ -276,9 +282,13 @@ def test_auto_prefills_the_rest_of_a_prompt_on_borrowed_cores_and_stays_exact(mo
             return real(method, *args)
 
         monkeypatch.setattr(mode.target, "call", spy)
+        observed: list[tuple] = []
+        mode.observe_prefill = lambda *a: observed.append(a)  # recorded; the seeded ratio stays for both
         outs = llm.generate(LONG_PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
     for prompt in LONG_PROMPTS:
         cut = round(len(prompt) / 3)
         assert [a[1] for m, a in calls if m == "add" and a[1][0] == prompt[0] and len(a[1]) == cut] == [prompt[:cut]]
         assert [(a[1], a[2]) for m, a in calls if m == "extend" and a[1] == prompt[cut:]] == [(prompt[cut:], True)]
+    assert [(n, cut) for n, cut, _, _ in observed] == [(len(p), round(len(p) / 3)) for p in LONG_PROMPTS]
+    assert all(draft_s > 0 and rest_s > 0 for _, _, draft_s, rest_s in observed)

@@ -46,6 +46,10 @@ class Mode:
         own cores while the draft prefills, the rest on borrowed cores too. None: in one piece."""
         return None
 
+    def observe_prefill(self, n_prompt: int, cut: int, draft_s: float, rest_s: float) -> None:
+        """A split prefill: the draft took draft_s for the whole prompt, the target rest_s for the tokens
+        after `cut` on borrowed cores."""
+
     def round(self, seqs: list[Sequence]) -> list[Outcome]:
         raise NotImplementedError
 
