@@ -113,17 +113,23 @@ def test_policy_prices_rounds_that_leave_the_draft_idle_on_borrowed_cores():
         CostModel().observe_verify(4, 0.1, borrowed=True)
 
 
+def lend_draft_core(llm: LLM):
+    """The in-process target borrows the other core, as the placement arranges for `auto` on CPU."""
+    mode = llm.engine.mode
+    own = sorted(os.sched_getaffinity(0))[:1]
+    mode.target.worker.loan = CoreLoan(own, [c for c in CORES if c not in own][:1])
+    mode.borrow = True
+    mode.cost.enable_borrow()
+    return mode
+
+
 @two_cores
 def test_auto_borrows_in_idle_draft_rounds_and_stays_exact(models, ar_outputs, monkeypatch):
     """AR, SD and n-gram rounds verify on borrowed cores and keep the draft's commits lazy; SSD rounds
     never borrow (the draft speculates meanwhile); greedy output still equals AR."""
     cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ar", "ssd_fast", "sd", "ar"])
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=4, max_len=128) as llm:
-        mode, target_w = llm.engine.mode, llm.engine.mode.target.worker
-        own = sorted(os.sched_getaffinity(0))[:1]
-        target_w.loan = CoreLoan(own, [c for c in CORES if c not in own][:1])
-        mode.borrow = True
-        mode.cost.enable_borrow()
+        mode = lend_draft_core(llm)
         calls: list[tuple[str, tuple]] = []
         for name, handle in (("target", mode.target), ("draft", mode.draft)):
             real = handle.call
@@ -268,11 +274,7 @@ def test_auto_prefills_the_rest_of_a_prompt_on_borrowed_cores_and_stays_exact(mo
         expected = [o.token_ids for o in llm.generate(LONG_PROMPTS, GREEDY)]
     cycle_policy(monkeypatch, ["ngram", "ar", "ssd_neural", "sd"])
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=128) as llm:
-        mode, target_w = llm.engine.mode, llm.engine.mode.target.worker
-        own = sorted(os.sched_getaffinity(0))[:1]
-        target_w.loan = CoreLoan(own, [c for c in CORES if c not in own][:1])
-        mode.borrow = True
-        mode.cost.enable_borrow()
+        mode = lend_draft_core(llm)
         mode.cost.feed, mode.cost.v1 = Ema(0.004, n=1), Ema(0.012, n=1)
         calls: list[tuple[str, tuple]] = []
         real = mode.target.call
