@@ -87,13 +87,15 @@ def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], tem
             rows[name] = {
                 "tokens": toks, "seconds": round(dt, 3), "tokens_per_s": round(toks / dt, 2),
                 "decode_tokens_per_s": round(dec_n / dec_t, 2) if dec_t > 0 else None,
+                "ttft_s": round(sum(o.metrics["ttft_s"] for o in outs) / len(outs), 3),
                 "tau": round(toks / rounds, 3) if rounds else None,
                 "acceptance_rate": round(acc / drafted, 3) if drafted else None,
                 "cache_hit_rate": round(nh / (nh + nm), 3) if nh + nm else None,
                 "hits_per_k": hits, "misses_per_k": misses, "policy": policy, "k": after["k"],
             }
             print(f"  {mode:6s} placement={placement} T={temperature} b={batch} {name:13s} "
-                  f"{rows[name]['tokens_per_s']:6.2f} tok/s (decode {rows[name]['decode_tokens_per_s']}) "
+                  f"{rows[name]['tokens_per_s']:6.2f} tok/s (decode {rows[name]['decode_tokens_per_s']}, "
+                  f"ttft {rows[name]['ttft_s']} s) "
                   f"tau={rows[name]['tau']} "
                   f"hit={rows[name]['cache_hit_rate']} policy={policy}", flush=True)
         return rows
