@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 HumanEval + 2 MT-Bench prompts, 64 tokens")
     ap.add_argument("--out", default="results/bench.json")
     args = ap.parse_args(argv)
+    if args.llama_cpp and "b" not in args.placements.split(","):
+        ap.error("--llama-cpp runs llama.cpp on all cores, next to placement b: add b to --placements")
     if args.quick:
         args.n_humaneval, args.n_mtbench, args.max_tokens = 3, 2, 64
     prompts: dict[str, list[str]] = {}
