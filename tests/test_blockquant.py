@@ -344,7 +344,9 @@ def test_vnni_builds_give_the_avx2_bits(build, monkeypatch):
     for cls in CLASSES:
         # 40 rows: 5 tiles (the AVX-512 build's pairs plus an odd tile); 44: 6 tiles, the last pair
         # 12 rows. M: 1 to 8 rows in one pass, then 9 and 13 in two.
-        for n, k in ((40, 288), (44, 896)):  # a half-empty q4 pair / a half group at the end
+        # K = 288, 352, 896: a q8 row's last group holds 1, 3 or 4 of its 8 blocks (a half-empty q4 pair
+        # at 40 rows, a half group at the end at 44).
+        for n, k in ((40, 288), (24, 352), (44, 896)):
             lin = cls.from_float(torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.bfloat16)
             for m in (1, 3, 5, 8, 9, 13):
                 x = torch.randn(m, k, generator=g).bfloat16()

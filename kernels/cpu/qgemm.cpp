@@ -247,9 +247,16 @@ inline void row_dot_q8_512(const uint8_t* w, const uint16_t* sc, const QActs& a,
     auto group = [&](const uint8_t* wg, int g, int cnt) {
         if (pf != nullptr)
             for (int p = 0; p < 256; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 32 + p, _MM_HINT_T0);
+        // A short last group loads its blocks with a zeroing mask and skips the vectors it lacks (their
+        // sums are the exact zeros a zero-padded copy would give).
+        const int vecs = (cnt + 1) / 2;
         __m512i wv[4], init[4];
         for (int j = 0; j < 4; ++j) {
-            wv[j] = _mm512_loadu_si512(wg + 64 * j);
+            if (j >= vecs) {
+                wv[j] = init[j] = _mm512_setzero_si512();
+                continue;
+            }
+            wv[j] = 2 * j + 1 < cnt ? _mm512_loadu_si512(wg + 64 * j) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, wg + 64 * j);
             init[j] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv[j]));
         }
         const __m256 s8 = load_scales(sc + g, cnt);
@@ -258,7 +265,8 @@ inline void row_dot_q8_512(const uint8_t* w, const uint16_t* sc, const QActs& a,
             const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
             const uint8_t* x = a.xu + at * QK;
             __m512i d[4];
-            for (int j = 0; j < 4; ++j) d[j] = _mm512_dpbusd_epi32(init[j], _mm512_loadu_si512(x + 64 * j), wv[j]);
+            for (int j = 0; j < 4; ++j)
+                d[j] = j < vecs ? _mm512_dpbusd_epi32(init[j], _mm512_loadu_si512(x + 64 * j), wv[j]) : init[j];
             // Per 128-bit lane L, lane k of s: the sum of d[k]'s 4 lanes in L (blocks 2k: L = 0, 1; 2k + 1: 2, 3).
             const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
             const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
@@ -270,7 +278,9 @@ inline void row_dot_q8_512(const uint8_t* w, const uint16_t* sc, const QActs& a,
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
         }
     };
-    q8_groups(w, nb, group);
+    const int full = nb / 8 * 8;
+    for (int g = 0; g < full; g += 8) group(w + static_cast<size_t>(g) * 32, g, 8);
+    if (full < nb) group(w + static_cast<size_t>(full) * 32, full, nb - full);
     for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
 #else
