@@ -42,9 +42,11 @@ def placement_kwargs(placement: str, mode: str, cores: list[int]) -> dict:
     return dict(target_cores=cores, draft_cores=cores)
 
 
-def chat_prompts(llm: LLM, texts: list[str]) -> list[str]:
-    assert llm.tokenizer is not None
-    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+def as_fed(tok, name: str, texts: list[str]) -> list[str]:
+    """The prompt texts as every system here is fed them: the raw HumanEval set as is, the rest chat-templated."""
+    if name == "humaneval_raw":
+        return texts
+    return [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
 
 
 def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], temperature: float, batch: int) -> dict:
@@ -59,10 +61,10 @@ def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], tem
     llm = LLM(target=args.target, draft=draft, mode=mode, dtype=args.dtype, k=args.k, max_batch=max(batch, 1),
               max_len=2048, use_ray=True, **kw, **extra)
     try:
-        llm.generate([chat_prompts(llm, ["hello"])[0]], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+        llm.generate(as_fed(llm.tokenizer, "warm-up", ["hello"]), SamplingParams(temperature=0, max_tokens=8))
         rows = {}
         for name, texts in prompts.items():
-            ps = texts if name == "humaneval_raw" else chat_prompts(llm, texts)
+            ps = as_fed(llm.tokenizer, name, texts)
             sp = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=i) for i in range(len(ps))]
             before = llm.stats()
             t0 = time.perf_counter()
@@ -117,8 +119,7 @@ def run_transformers(args, prompts: dict[str, list[str]], threads: int, assisted
     tok = target.tokenizer
     rows = {}
     for name, texts in prompts.items():
-        ps = texts if name == "humaneval_raw" else [tok.apply_chat_template([{"role": "user", "content": t}])
-                                                    for t in texts]
+        ps = as_fed(tok, name, texts)
         toks, t0 = 0, time.perf_counter()
         for p in ps:
             ids = torch.tensor([tok.encode(p)])
@@ -187,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 run = {"system": "llama.cpp", "mode": mode, "placement": placement, "temperature": 0.0, "batch": 1,
                        "prompts": {}}
                 try:
-                    run["prompts"] = llama_cpp.run(args.llama_cpp, [mode], resolve_alias(args.target),
-                                                   resolve_alias(args.draft), texts, args.max_tokens, cores)[mode]
+                    run["prompts"] = llama_cpp.run(args.llama_cpp, mode, resolve_alias(args.target),
+                                                   resolve_alias(args.draft), texts, args.max_tokens, cores)
                 except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:  # keep what ran
                     run["error"] = str(e)[-2000:]
                     print(f"  llama.cpp {mode}: failed: {run['error']}", flush=True)
@@ -218,9 +219,7 @@ def llama_cpp_prompts(args, prompts: dict[str, list[str]]) -> dict[str, list[str
     from ssd.workers.loader import Tokenizer, resolve_alias
 
     tok = Tokenizer.from_gguf(gguf.GGUFReader(resolve_alias(args.target)))
-    return {name: texts if name == "humaneval_raw" else
-            [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-            for name, texts in prompts.items()}
+    return {name: as_fed(tok, name, texts) for name, texts in prompts.items()}
 
 
 def print_table(results: dict) -> None:

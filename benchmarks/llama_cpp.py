@@ -63,38 +63,35 @@ def parse(mode: str, log: str) -> dict:
     return out
 
 
-def run(bin_dir: str | Path, modes: list[str], target: str, draft: str, prompts: dict[str, list[str]],
-        max_tokens: int, threads: int) -> dict[str, dict]:
-    """{mode: {prompt set: row}} with bench.py's row keys (tokens, seconds, tokens_per_s, decode_tokens_per_s)."""
-    for mode in modes:
-        if mode not in TOOLS:
-            raise ValueError(f"llama.cpp mode {mode!r}: expected one of {', '.join(TOOLS)}")
-        if not (Path(bin_dir) / TOOLS[mode]).is_file():
-            raise FileNotFoundError(f"{Path(bin_dir) / TOOLS[mode]} not found (build llama.cpp's {TOOLS[mode]})")
+def run(bin_dir: str | Path, mode: str, target: str, draft: str, prompts: dict[str, list[str]], max_tokens: int,
+        threads: int) -> dict[str, dict]:
+    """{prompt set: row} with bench.py's row keys (tokens, seconds, tokens_per_s, decode_tokens_per_s)."""
+    if mode not in TOOLS:
+        raise ValueError(f"llama.cpp mode {mode!r}: expected one of {', '.join(TOOLS)}")
+    if not (Path(bin_dir) / TOOLS[mode]).is_file():
+        raise FileNotFoundError(f"{Path(bin_dir) / TOOLS[mode]} not found (build llama.cpp's {TOOLS[mode]})")
     results: dict[str, dict] = {}
-    for mode in modes:
-        results[mode] = {}
-        for name, texts in prompts.items():
-            tokens = decode_tokens = drafted = accepted = 0
-            decode_s = prompt_s = 0.0
-            for text in texts:
-                cmd = command(bin_dir, mode, target, draft, text, max_tokens, threads)
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{cmd[0]} exited {proc.returncode}:\n{proc.stderr[-1500:]}")
-                got = parse(mode, proc.stdout + proc.stderr)
-                tokens += got["tokens"]
-                decode_tokens += got["decode_tokens"]
-                decode_s += got["seconds"]
-                prompt_s += got["prompt_seconds"]
-                drafted += got.get("drafted", 0)
-                accepted += got.get("accepted", 0)
-            row = {"tokens": tokens, "seconds": round(decode_s + prompt_s, 3),
-                   "tokens_per_s": round(tokens / (decode_s + prompt_s), 2),
-                   "decode_tokens_per_s": round(decode_tokens / decode_s, 2)}
-            if drafted:
-                row["acceptance_rate"] = round(accepted / drafted, 3)
-            results[mode][name] = row
-            print(f"  llama.cpp {mode:6s} threads={threads} {name:13s} "
-                  f"{row['decode_tokens_per_s']:6.2f} decode tok/s", flush=True)
+    for name, texts in prompts.items():
+        tokens = decode_tokens = drafted = accepted = 0
+        decode_s = prompt_s = 0.0
+        for text in texts:
+            cmd = command(bin_dir, mode, target, draft, text, max_tokens, threads)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cmd[0]} exited {proc.returncode}:\n{proc.stderr[-1500:]}")
+            got = parse(mode, proc.stdout + proc.stderr)
+            tokens += got["tokens"]
+            decode_tokens += got["decode_tokens"]
+            decode_s += got["seconds"]
+            prompt_s += got["prompt_seconds"]
+            drafted += got.get("drafted", 0)
+            accepted += got.get("accepted", 0)
+        row = {"tokens": tokens, "seconds": round(decode_s + prompt_s, 3),
+               "tokens_per_s": round(tokens / (decode_s + prompt_s), 2),
+               "decode_tokens_per_s": round(decode_tokens / decode_s, 2)}
+        if drafted:
+            row["acceptance_rate"] = round(accepted / drafted, 3)
+        results[name] = row
+        print(f"  llama.cpp {mode:6s} threads={threads} {name:13s} "
+              f"{row['decode_tokens_per_s']:6.2f} decode tok/s", flush=True)
     return results

@@ -65,7 +65,8 @@ def _fake_tool(path: Path, log: str) -> None:
 def test_run_sums_prompts_per_set(tmp_path):
     _fake_tool(tmp_path / "llama-lookup", LOOKUP_LOG)
     _fake_tool(tmp_path / "llama-completion", COMPLETION_LOG)
-    out = llama_cpp.run(tmp_path, ["ar", "ngram"], "t.gguf", "d.gguf", {"he": ["a", "b"], "mt": ["c"]}, 32, 2)
+    out = {m: llama_cpp.run(tmp_path, m, "t.gguf", "d.gguf", {"he": ["a", "b"], "mt": ["c"]}, 32, 2)
+           for m in ("ar", "ngram")}
     assert out["ngram"]["he"]["tokens"] == 66
     assert out["ngram"]["he"]["decode_tokens_per_s"] == round(64 / (2 * 3.963), 2)
     assert out["ngram"]["he"]["acceptance_rate"] == round(4 / 24, 3)
@@ -76,9 +77,9 @@ def test_run_sums_prompts_per_set(tmp_path):
 
 def test_run_checks_tools_before_running(tmp_path):
     with pytest.raises(ValueError, match="expected one of"):
-        llama_cpp.run(tmp_path, ["beam"], "t", "d", {"he": ["a"]}, 8, 1)
+        llama_cpp.run(tmp_path, "beam", "t", "d", {"he": ["a"]}, 8, 1)
     with pytest.raises(FileNotFoundError, match="llama-speculative-simple"):
-        llama_cpp.run(tmp_path, ["draft"], "t", "d", {"he": ["a"]}, 8, 1)
+        llama_cpp.run(tmp_path, "draft", "t", "d", {"he": ["a"]}, 8, 1)
 
 
 def test_run_reports_a_failing_tool(tmp_path):
@@ -86,4 +87,4 @@ def test_run_reports_a_failing_tool(tmp_path):
     tool.write_text("#!/bin/sh\necho 'load failed' >&2\nexit 3\n")
     tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
     with pytest.raises(RuntimeError, match="exited 3:\nload failed"):
-        llama_cpp.run(tmp_path, ["ngram"], "t", "d", {"he": ["a"]}, 8, 1)
+        llama_cpp.run(tmp_path, "ngram", "t", "d", {"he": ["a"]}, 8, 1)

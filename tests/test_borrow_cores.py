@@ -241,11 +241,11 @@ def test_extend_refuses_what_is_not_a_prompt_piece():
     worker.add(0, [1, 2, 3], SamplingSpec(temperature=0))
     with pytest.raises(ValueError, match="at least one"):
         worker.extend(0, [])
+    with pytest.raises(ValueError, match="no cores to borrow"):
+        worker.extend(0, [5], borrow=True)
     worker.runner.forward([worker.seqs[0].slot], [[3, 4]])  # tokens past the committed ones, as a draft leaves
     with pytest.raises(ValueError, match="speculative tokens"):
         worker.extend(0, [5])
-    with pytest.raises(ValueError, match="no cores to borrow"):
-        worker.add(1, [1, 2], SamplingSpec(temperature=0), borrow=True)
 
 
 def test_prefill_cut_follows_the_measured_costs(models):

@@ -149,13 +149,11 @@ class ModelWorker:
     def ping(self) -> bool:
         return True
 
-    def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec, borrow: bool = False) -> None:
-        """Prefill all but the last prompt token; the last one is the first pending token. `borrow`: on
-        borrowed cores too (see `loan`)."""
+    def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec) -> None:
+        """Prefill all but the last prompt token; the last one is the first pending token."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already added")
-        with self._cores(borrow):
-            slot = self.prefilled_slot(prompt_ids)
+        slot = self.prefilled_slot(prompt_ids)
         self.seqs[seq_id] = SeqState(
             slot=slot, pending=prompt_ids[-1], committed=len(prompt_ids) - 1, spec=spec,
             gen=make_generator(spec.seed, self.salt),

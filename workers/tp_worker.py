@@ -109,8 +109,8 @@ class TPTargetWorker(TargetWorker):
                 "tp_disagreements": self.tp_disagreements}
 
     # -- calls that must leave every rank in the same state -----------------------------------------
-    def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec, borrow: bool = False) -> None:
-        super().add(seq_id, prompt_ids, spec, borrow)
+    def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec) -> None:
+        super().add(seq_id, prompt_ids, spec)
         if self.tp_size > 1 and spec is not None and spec.seed is None:
             st = self.seqs[seq_id]
             st.gen.set_state(self._broadcast(st.gen.get_state()))
