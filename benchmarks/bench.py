@@ -94,6 +94,7 @@ def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], tem
                 "acceptance_rate": round(acc / drafted, 3) if drafted else None,
                 "cache_hit_rate": round(nh / (nh + nm), 3) if nh + nm else None,
                 "hits_per_k": hits, "misses_per_k": misses, "policy": policy, "k": after["k"],
+                "token_ids": [list(o.token_ids) for o in outs],
             }
             print(f"  {mode:6s} placement={placement} T={temperature} b={batch} {name:13s} "
                   f"{rows[name]['tokens_per_s']:6.2f} tok/s (decode {rows[name]['decode_tokens_per_s']}, "
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows = run_mode(args, mode, placement, prompts, temperature, batch)
                     results["runs"].append({"system": "ssd", "mode": mode, "placement": placement,
                                             "temperature": temperature, "batch": batch, "prompts": rows})
+                    mark_same_as_ar(results)
                     save(results, args.out)  # a later failure loses nothing measured
         if args.llama_cpp and placement == "b":
             from ssd.workers.loader import resolve_alias
@@ -207,6 +209,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def mark_same_as_ar(results: dict) -> None:
+    """Greedy runs: how many outputs equal our AR's at the same placement, token for token (any batch size:
+    the rows are batch-invariant). Every greedy mode should give all of them; the table shows it."""
+    ar = {(r["placement"], name): row["token_ids"] for r in results["runs"]
+          if r["system"] == "ssd" and r["mode"] == "ar" and r["temperature"] == 0
+          for name, row in r["prompts"].items()}
+    for r in results["runs"]:
+        if r["system"] != "ssd" or r["mode"] == "ar" or r["temperature"] != 0:
+            continue
+        for name, row in r["prompts"].items():
+            ref = ar.get((r["placement"], name))
+            if ref is not None:
+                same = sum(a == b for a, b in zip(row["token_ids"], ref, strict=True))
+                row["same_as_ar"] = f"{same}/{len(ref)}"
+
+
 def save(results: dict, out: str) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(results, indent=1))
@@ -226,8 +244,8 @@ def print_table(results: dict) -> None:
     # Speedups against the same system's AR in the same setting: on total tokens/s (prefill included,
     # the only rate transformers' generate() gives) and on the decode rate (ssd only).
     print("\n| system | mode | placement | T | batch | prompts | tok/s | speedup vs AR | decode tok/s "
-          "| speedup vs AR (decode) | tau | accept | hit rate | policy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| speedup vs AR (decode) | tau | accept | hit rate | = AR | policy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base: dict[tuple, tuple[float, float | None]] = {}
     for r in results["runs"]:
         for name, row in r["prompts"].items():
@@ -242,7 +260,8 @@ def print_table(results: dict) -> None:
             sp_dec = f"{dec / ar_dec:.2f}x" if dec and ar_dec else "-"
             cells = [r["system"], r["mode"], r["placement"], r["temperature"], r["batch"], name,
                      f"{row['tokens_per_s']:.2f}", sp_tot, dec or "-", sp_dec, row.get("tau") or "-",
-                     row.get("acceptance_rate") or "-", row.get("cache_hit_rate") or "-", row.get("policy") or "-"]
+                     row.get("acceptance_rate") or "-", row.get("cache_hit_rate") or "-", row.get("same_as_ar", "-"),
+                     row.get("policy") or "-"]
             print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
