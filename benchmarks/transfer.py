@@ -30,7 +30,7 @@ import numpy as np
 import ray
 import torch
 
-from ssd.launch.actors import register_tensor_serializer
+from ssd.launch.actors import register_serializers
 
 
 @ray.remote(num_cpus=1)
@@ -39,7 +39,7 @@ class Side:
 
     def __init__(self, rows: int, vocab: int, numpy_serializer: bool) -> None:
         if numpy_serializer:
-            register_tensor_serializer()
+            register_serializers()
         torch.set_num_threads(1)
         self.q = torch.rand(rows, vocab)
         self.q /= self.q.sum(-1, keepdim=True)
@@ -104,7 +104,7 @@ def timed(variants: dict, rounds: int, warmup: int = 5) -> dict[str, list[float]
 
 def run(rows: int, vocab: int, rounds: int, numpy_serializer: bool) -> dict:
     if numpy_serializer:
-        register_tensor_serializer()
+        register_serializers()
     target, draft = Side.remote(rows, vocab, numpy_serializer), Side.remote(rows, vocab, numpy_serializer)
     ray.get([target.address.remote(), draft.address.remote()])
     variants = {
@@ -148,7 +148,7 @@ def main() -> None:
     nbytes = args.rows * args.vocab * 4
     results = {}
     # default: Ray pickles tensors with torch's reducer; ssd_numpy: ssd.launch.actors'
-    # register_tensor_serializer (what RayHandle actors use); zero_copy_torch: Ray's own
+    # register_serializers (what RayHandle actors use); zero_copy_torch: Ray's own
     # RAY_ENABLE_ZERO_COPY_TORCH_TENSORS, which must be set in the workers' environment.
     for key in ("default", "ssd_numpy", "zero_copy_torch"):
         zc = "1" if key == "zero_copy_torch" else "0"

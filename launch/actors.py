@@ -1,8 +1,8 @@
 """Workers as Ray actors, and `RayHandle`, the WorkerHandle the coordinator uses to call them.
 
 `workers/` knows nothing about Ray: `actor_class(TargetWorker)` wraps the plain class at launch
-time in a thin subclass (registers the tensor serializer, reports placement in `info()`, hands
-out the tokenizer) and turns it into a Ray actor class.
+time in a thin subclass (registers the tensor and message serializers, reports placement in
+`info()`, hands out the tokenizer) and turns it into a Ray actor class.
 
 Futures: `RayHandle.call` returns a `RayFuture`. Passing a RayFuture (or several, e.g. from
 `call_split`) as a top-level argument of another `call` hands the ObjectRef to Ray, so the value
@@ -28,6 +28,7 @@ import torch
 from ray import exceptions as rex
 
 from ssd.handles import WorkerDied
+from ssd.workers.messages import WIRE_TYPES
 
 # actor id (hex) -> worker name, so an error raised by a dependency blames the right worker
 _ACTOR_NAMES: dict[str, str] = {}
@@ -82,9 +83,12 @@ def _tensor_from_wire(payload: tuple[str, Any, str]) -> torch.Tensor:
     return t.to(device) if device != "cpu" and torch.cuda.is_available() else t
 
 
-def register_tensor_serializer() -> None:
-    """Send torch.Tensor (exact type; nn.Parameter keeps torch's path) as numpy. Per process."""
+def register_serializers() -> None:
+    """Per process: torch.Tensor (exact type; nn.Parameter keeps torch's path) crosses as numpy, and
+    the typed messages (Draft, Outcome, SamplingSpec) as their msgpack bytes."""
     ray.util.register_serializer(torch.Tensor, serializer=_tensor_to_wire, deserializer=_tensor_from_wire)
+    for cls in WIRE_TYPES:
+        ray.util.register_serializer(cls, serializer=cls.to_msgpack, deserializer=cls.from_msgpack)
 
 
 # -- actor classes -------------------------------------------------------------------------------
@@ -106,7 +110,7 @@ def actor_class(worker_cls: type) -> Any:
 
     class Actor(worker_cls):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            register_tensor_serializer()
+            register_serializers()
             super().__init__(*args, **kwargs)
 
         def info(self) -> dict:

@@ -202,12 +202,12 @@ def place_workers(
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from ssd.launch.actors import RayHandle, actor_class, register_tensor_serializer
+    from ssd.launch.actors import RayHandle, actor_class, register_serializers
     from ssd.workers.draft_worker import DraftWorker
     from ssd.workers.target_worker import TargetWorker
 
     init_ray(cfg)
-    register_tensor_serializer()
+    register_serializers()
     plan = plan_placement(cfg, _local_cores(), pin=not cfg.ray_address)
     pg = None
     if plan.bundles:

@@ -173,6 +173,30 @@ class TestLocalRay:
             assert info["cpu_affinity"] == ap.cpu_cores
         assert infos[0]["pid"] != infos[1]["pid"]
 
+    def test_messages_cross_as_msgpack(self):
+        """Typed messages travel as their msgpack bytes, not pickled: what msgpack refuses, the call refuses."""
+        import numpy as np
+
+        from ssd.launch.actors import RayHandle, actor_class, register_serializers
+        from ssd.workers.messages import Draft, Outcome
+
+        class Echo:
+            def info(self) -> dict:
+                return {}
+
+            def echo(self, x):
+                return x
+
+        register_serializers()
+        handle = RayHandle(actor_class(Echo).remote(), "echo")
+        try:
+            msgs = [Draft(seq_id=1, tokens=[5, 6], q_kind="dist"), Outcome(seq_id=1, num_accepted=1, tokens=[5, 9])]
+            assert handle.call("echo", msgs).result(timeout=60) == msgs
+            with pytest.raises(TypeError, match="msgpack wire"):  # a pickle would have carried it
+                handle.call("echo", Draft(seq_id=2, tokens=[np.int64(3)])).result(timeout=60)
+        finally:
+            handle.shutdown()
+
     def test_handle_errors_and_restart(self, models):
         from ssd.launch.placement import place_workers
 

@@ -1,14 +1,16 @@
 """Typed messages between the coordinator and the workers, with a msgpack wire encoding.
 
 Token blocks and small scalars travel in these; large tensors (draft q distributions) travel
-separately (object store or a torch.distributed group) and are referenced by position.
+separately (the object store, actor to actor) and are referenced by position. Over Ray, every
+class in WIRE_TYPES crosses as its msgpack bytes (launch/actors.py registers the serializers),
+never as a pickle.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgpack
 
@@ -17,23 +19,14 @@ T = TypeVar("T")
 
 class Message:
     def to_msgpack(self) -> bytes:
-        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        try:
+            return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        except TypeError as e:  # e.g. a numpy integer among the tokens: the wire takes plain Python values
+            raise TypeError(f"{type(self).__name__} cannot go on the msgpack wire: {e}") from e
 
     @classmethod
     def from_msgpack(cls: type[T], data: bytes) -> T:
-        fields = msgpack.unpackb(data, raw=False)
-        return _build(cls, fields)
-
-
-def _build(cls: Any, fields: dict[str, Any]) -> Any:
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        value = fields[f.name]
-        sub = _NESTED.get((cls.__name__, f.name))
-        if sub is not None and value is not None:
-            value = [_build(sub, v) for v in value] if isinstance(value, list) else _build(sub, value)
-        kwargs[f.name] = value
-    return cls(**kwargs)
+        return cls(**msgpack.unpackb(data, raw=False))
 
 
 @dataclass
@@ -48,13 +41,6 @@ class SamplingSpec(Message):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-@dataclass
-class AddSequence(Message):
-    seq_id: int
-    prompt_ids: list[int]
-    spec: SamplingSpec
 
 
 @dataclass
@@ -81,4 +67,4 @@ class Outcome(Message):
     accepted_nodes: list[int] | None = None  # tree verification: accepted node indices
 
 
-_NESTED: dict[tuple[str, str], type] = {("AddSequence", "spec"): SamplingSpec}
+WIRE_TYPES: tuple[type[Message], ...] = (SamplingSpec, Draft, Outcome)
