@@ -211,24 +211,27 @@ LONG_PROMPTS = [[(7 * i + 3) % 37 + 1 for i in range(45)], [(5 * i + 1) % 39 + 1
 
 
 @two_cores
-def test_a_prompt_prefilled_in_pieces_equals_one_piece(restore_cpu_state):
-    """add(first piece) + extend(rest, on borrowed cores) leaves the same cache bits and state as adding
-    the whole prompt, so verification gives the same outcomes."""
+@pytest.mark.parametrize("n, cuts, dtype", [(40, (13, 30), "float32"), (150, (40, 70), "bfloat16")])
+def test_a_prompt_prefilled_in_pieces_equals_one_piece(restore_cpu_state, n, cuts, dtype):
+    """add(first piece) + extend(rest, the last piece on borrowed cores) leaves the same cache bits and
+    state as adding the whole prompt, so verification gives the same outcomes. The 150-token prompt is
+    longer than any verification block: prefilled whole through a masked SDPA, it used to get other
+    bits than in pieces."""
     model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=2, seed=5)
-    worker = TargetWorker(model, dtype="float32", quantization="w4a8", max_slots=2, max_len=96,
+    worker = TargetWorker(model, dtype=dtype, quantization="w4a8", max_slots=2, max_len=192,
                           cpu_cores=CORES[:1], spare_cores=CORES[1:2])
-    prompt = [(11 * i + 2) % 60 + 1 for i in range(40)]
+    prompt = [(11 * i + 2) % 60 + 1 for i in range(n)]
     worker.add(0, prompt, SamplingSpec(temperature=0))
-    worker.add(1, prompt[:13], SamplingSpec(temperature=0))
-    worker.extend(1, prompt[13:30])
-    worker.extend(1, prompt[30:], borrow=True)
+    worker.add(1, prompt[: cuts[0]], SamplingSpec(temperature=0))
+    worker.extend(1, prompt[cuts[0] : cuts[1]])
+    worker.extend(1, prompt[cuts[1] :], borrow=True)
     a, b = worker.seqs[0], worker.seqs[1]
     assert (a.pending, a.committed) == (b.pending, b.committed) == (prompt[-1], len(prompt) - 1)
     kv = worker.runner.kv
     assert kv.lengths[a.slot] == kv.lengths[b.slot] == len(prompt) - 1
-    n = len(prompt) - 1
-    assert torch.equal(kv.k[:, a.slot, :, :n], kv.k[:, b.slot, :, :n])
-    assert torch.equal(kv.v[:, a.slot, :, :n], kv.v[:, b.slot, :, :n])
+    m = len(prompt) - 1
+    assert torch.equal(kv.k[:, a.slot, :, :m], kv.k[:, b.slot, :, :m])
+    assert torch.equal(kv.v[:, a.slot, :, :m], kv.v[:, b.slot, :, :m])
     outs = [worker.verify([Draft(seq_id=s, tokens=[5, 9, 2])])[0] for s in (0, 1)]
     assert outs[0].tokens == outs[1].tokens and outs[0].num_accepted == outs[1].num_accepted
     assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == set(CORES[:1])

@@ -284,11 +284,12 @@ class DecoderModel(nn.Module):
         self._fused_refused: tuple | None = None
 
     # Batch-invariant numerics: when True (set by quantize_model once every linear layer runs a
-    # row-independent kernel), forwards of up to `row_attention_max` new tokens per row run
-    # attention token by token (Attention._attend_rows), so scoring K+1 tokens in one pass gives
-    # each token the bits it gets when decoded alone. Larger forwards (prefill) use one masked SDPA.
+    # row-independent kernel), every forward runs attention token by token (Attention._attend_rows),
+    # so a token gets the same bits whichever tokens share its forward: scoring K+1 tokens in one pass
+    # equals decoding them one by one, and a prompt prefilled in pieces (the split prefill on borrowed
+    # cores) equals the prompt prefilled whole. Prefill included: a masked SDPA over a whole prompt
+    # gives its tokens other bits than the same tokens fed in pieces.
     batch_invariant = False
-    row_attention_max = 64  # > the largest verification block (k <= 32); prompts beyond it prefill faster
     # On the row path, run every layer in one C call when the model allows it (workers/models/fused.py).
     use_fused_layers = True
 
@@ -327,7 +328,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVView) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [B, n, D]
-        if self.batch_invariant and kv.rows is None and input_ids.shape[1] <= self.row_attention_max:
+        if self.batch_invariant and kv.rows is None:
             kv.plan_rows()
         if kv.row_plan is not None and self.use_fused_layers:
             fused = self._fused_layers(kv)

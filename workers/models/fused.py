@@ -3,10 +3,10 @@
 With the CPU kernels a decode step spends most of its non-GEMM time in Python and ~20 small torch
 ops per layer (18 of 66 ms on the 0.5B in w4a8). `FusedLayers` describes every layer's weights,
 norms and KV cache once (pointers into the model's own tensors) and runs the layers of the
-row-by-row attention path (decode and verification blocks, `DecoderModel.row_attention_max`) in C,
-with the same kernels and the same roundings as the torch path — the two give the same bits (tested).
-Prefill and anything the C code does not cover (torch-kernel linears, q/k norms, tensor-parallel
-layers, reference mode) stay on the torch path.
+row-by-row attention path (every forward of a batch-invariant model: prefill, decode, verification)
+in C, with the same kernels and the same roundings as the torch path — the two give the same bits
+(tested). Anything the C code does not cover (torch-kernel linears, q/k norms, tensor-parallel
+layers, reference mode) stays on the torch path.
 """
 
 from __future__ import annotations
