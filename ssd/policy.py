@@ -20,7 +20,7 @@ NGRAM_PRIOR = 4  # rounds of evidence the overall n-gram rate counts for in a pe
 NGRAM_ALPHA = 0.05
 # The neural draft's acceptance and the hit rate, per round: a fast average of a ~50 % hit rate swings
 # by +-0.17 (one sd), and once a dip prices SSD above AR the policy stops running it, so the estimate
-# stays low (seen on MT-Bench: p_hit 0.28 for the rest of a prompt where SSD alone hit 48 %).
+# stays low (seen on MT-Bench: a hit rate of 0.28 for the rest of a prompt where SSD alone hit 48 %).
 RATE_ALPHA = 0.05
 SWITCH_HORIZON = 4  # rounds a switch into SSD is expected to last: its one-off catch-up is spread over them
 # Leaving a ready SSD pipeline for AR / SD / n-gram needs an option this much cheaper: the prepared
@@ -93,13 +93,25 @@ class CostModel:
     feed: Ema = field(default_factory=lambda: Ema(0.003))  # a draft forward's cost per extra token fed
     acceptance: RateEma = field(default_factory=lambda: RateEma(0.7, RATE_ALPHA))  # per-token, neural draft
     fast_acceptance: RateEma = field(default_factory=lambda: RateEma(0.2))  # per-token, fast backup / n-gram
-    p_hit: RateEma = field(default_factory=lambda: RateEma(0.5, RATE_ALPHA))  # per-sequence hit rate
+    # Hit rates of rounds that verify a cached (primary) draft, apart for the two kinds of outcome: every
+    # draft token accepted (the draft predicts the bonus token) and a rejection (it predicts the
+    # correction). Priced at the current acceptance, a^k x full + (1 - a^k) x partial, SSD's hit rate
+    # follows the prompt (code vs prose) through acceptance, which SD rounds keep measuring while the
+    # policy is out of SSD: a single observed rate stayed at a prose dip's 0.41 for the rest of a prompt.
+    hit_full: RateEma = field(default_factory=lambda: RateEma(0.8, RATE_ALPHA))
+    hit_partial: RateEma = field(default_factory=lambda: RateEma(0.3, RATE_ALPHA))
+    # Hit rates of rounds that verify a backup's draft, after a miss: misses come in runs (MT-Bench,
+    # T = 0.7: 0.36 after a just-in-time neural draft, 0.38 after an n-gram one, 0.5-0.67 after a hit).
+    hit_after_neural: RateEma = field(default_factory=lambda: RateEma(0.4, RATE_ALPHA))
+    hit_after_fast: RateEma = field(default_factory=lambda: RateEma(0.4, RATE_ALPHA))
     # n-gram acceptance by the length of the suffix the lookup matched: code copied from the prompt
     # matches 4 tokens and is accepted nearly always, prose matching 1-2 tokens rarely.
     ngram_by_match: dict[int, RateEma] = field(default_factory=dict)
-    # Per option, measured / predicted seconds of steady rounds: corrects what the model leaves out (host
-    # and RPC time per round, a neural backup's catch-up feed), which decides close calls (on MT-Bench
-    # AR, SD and SSD are within ~15 % of each other).
+    # Per option, measured / predicted seconds of steady rounds: corrects what the time model leaves out
+    # (host and RPC time per round, a neural backup's catch-up feed), which decides close calls (on
+    # MT-Bench AR, SD and SSD are within ~15 % of each other). Time only: tokens per round are what the
+    # acceptance and hit rates measure, and a ratio of seconds per token counted a lagging hit rate
+    # twice (SSD priced 35 % high after a prose dip, long after the hit rate itself had caught up).
     calibration: dict[str, RateEma] = field(default_factory=dict)
     # Where the target may borrow the draft's cores (CPU, mode="auto"): verification on both as a share
     # of verification on its own, for the options that leave the draft idle (AR, SD, n-gram). None:
@@ -152,12 +164,31 @@ class CostModel:
             ema = self.ngram_by_match.setdefault(match, RateEma(0.0, alpha=NGRAM_ALPHA, weight=0.0))
             ema.update(*counts)
 
-    def observe_round(self, option: str, predicted: float, seconds: float, tokens: int) -> None:
-        """A round of `option` took `seconds` for `tokens` tokens where the model predicted `predicted`
-        seconds per token (uncalibrated). Only steady rounds: not a switch's first round, which
-        choose() prices apart."""
-        if tokens > 0 and predicted > 0:
-            self.calibration.setdefault(option, RateEma(1.0, RATE_ALPHA)).update(seconds, predicted * tokens)
+    def observe_round(self, option: str, predicted: float, seconds: float) -> None:
+        """A round of `option` took `seconds` where `round_seconds` predicted `predicted`. Only steady
+        rounds: not a switch's first round, which choose() prices apart."""
+        if predicted > 0:
+            self.calibration.setdefault(option, RateEma(1.0, RATE_ALPHA)).update(seconds, predicted)
+
+    def observe_hit(self, source: str, full: bool, hit: bool) -> None:
+        """One sequence's SSD round. `source` of the draft it verified: "primary" (a cache hit), "neural"
+        (the just-in-time backup) or "fast" (n-gram / random); `full`: all its tokens were accepted."""
+        if source == "primary":
+            rate = self.hit_full if full else self.hit_partial
+        else:
+            rate = {"neural": self.hit_after_neural, "fast": self.hit_after_fast}[source]
+        rate.update(float(hit), 1.0)
+
+    def hit_rate(self, k: int) -> float:
+        """Expected hit rate of a round that verifies a cached k-token draft, at the current acceptance."""
+        full = min(max(self.acceptance.value, 0.0), 1.0) ** k
+        return full * self.hit_full.value + (1 - full) * self.hit_partial.value
+
+    def share_primary(self, k: int, backup: str) -> float:
+        """Steady share of SSD rounds that verify a cached draft, the rest verifying `backup`'s: a
+        two-state chain that leaves a hit round with the miss rate and a backup round with its hit rate."""
+        p, p_back = self.hit_rate(k), (self.hit_after_neural if backup == "neural" else self.hit_after_fast).value
+        return p_back / (p_back + 1 - p) if p_back + 1 - p > 0 else 1.0
 
     def calibration_factor(self, option: str) -> float:
         ema = self.calibration.get(option)
@@ -201,6 +232,23 @@ def best_draft_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
     return min(range(1, k_max + 1), key=lambda k: cost.verify_time(batch * (k + 1)) / expected_tokens(a, k))
 
 
+def round_seconds(cost: CostModel, option: str, batch: int, k: int, k_ngram: int | None = None,
+                  missed: float = 0.0) -> float:
+    """Modelled seconds of one steady round of `option` (what calibration compares measured rounds with).
+    `missed`: for neural SSD, the chance (or the fact) that a sequence missed, which costs a draft."""
+    lend = cost.borrow_factor()  # AR, SD and n-gram verify on borrowed cores where the target can
+    t_ver = cost.verify_time(batch * (k + 1))
+    t_draft = k * cost.draft_step.value
+    if option == "ar":  # one token per sequence per target step
+        return lend * cost.verify_time(batch)
+    if option == "sd":  # the draft runs before the target, on the critical path
+        return t_draft + lend * t_ver
+    if option == "ngram":  # verification only; drafting is a lookup
+        return lend * cost.verify_time(batch * ((k if k_ngram is None else k_ngram) + 1))
+    overlap = max(t_ver, cost.speculate.value)  # SSD: speculation overlaps verification
+    return overlap + missed * t_draft if option == "ssd_neural" else overlap
+
+
 def choose(
     cost: CostModel,
     batch: int,
@@ -212,7 +260,7 @@ def choose(
     lag: int = 0,
 ) -> tuple[str, dict[str, float]]:
     """Return the option with the lowest expected seconds per emitted token, and all the scores
-    (calibrated by each option's measured / predicted round times).
+    (each option's modelled round time calibrated by its measured / modelled round times).
 
     `ngram`: (acceptance, draft length) of this round's n-gram drafts, from the lookups' match lengths;
     without it n-gram SD is priced at the overall n-gram acceptance and length k.
@@ -226,32 +274,29 @@ def choose(
     `lag`: tokens the draft has not been fed yet (rounds on borrowed cores leave it idle). SD and SSD
     feed them first, a one-off cost spread over the switch horizon like the catch-up draft.
     """
-    a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.p_hit.value
-    lend = cost.borrow_factor()  # AR, SD and n-gram verify on borrowed cores where the target can
+    a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.hit_rate(k)
     e_sd = expected_tokens(a, k)
     e_fast = expected_tokens(a_fast, k)
-    t_ver = cost.verify_time(batch * (k + 1))
     t_draft = k * cost.draft_step.value
-    all_hit = p**batch  # one miss stalls the whole batch
-    scores: dict[str, float] = {}
-    # AR: one token per sequence per target step.
-    scores["ar"] = lend * cost.verify_time(batch) / batch
-    # SD: the draft runs before the target, on the critical path.
+    share_neural = cost.share_primary(k, "neural")
+    hit_neural = share_neural * p + (1 - share_neural) * cost.hit_after_neural.value
+    all_hit = hit_neural**batch  # one miss stalls the whole batch
+    a_ngram, k_ngram = ngram if ngram is not None else (a_fast, k)
+    t = {o: round_seconds(cost, o, batch, k, k_ngram, missed=1 - all_hit) * cost.calibration_factor(o)
+         for o in OPTIONS}
     h = SWITCH_HORIZON
     backlog = lag * cost.feed.value  # the draft's first forward feeds the tokens it has not seen
-    scores["sd"] = (t_draft + lend * t_ver + backlog / h) / (batch * e_sd)
-    # SSD: speculation overlaps verification; a miss costs the backup's latency.
-    overlap = max(t_ver, cost.speculate.value)
     catch_up = t_draft if prepared < 1.0 else 0.0  # one batched just-in-time draft for the unprepared
-    scores["ssd_neural"] = (overlap + (1 - all_hit) * t_draft + (catch_up + backlog) / h) / (batch * e_sd)
-    steady_fast = p * e_sd + (1 - p) * e_fast  # tokens per sequence and round
+    share_fast = cost.share_primary(k, "fast")
+    steady_fast = share_fast * e_sd + (1 - share_fast) * e_fast  # tokens per sequence and round
     first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
-    scores["ssd_fast"] = (h * overlap + backlog) / (batch * (first_fast + (h - 1) * steady_fast))
-    # n-gram SD: verification only; drafting is a lookup (the draft model speculates meanwhile only
-    # when that fits inside the verification and the target is not borrowing the draft's cores).
-    a_ngram, k_ngram = ngram if ngram is not None else (a_fast, k)
-    scores["ngram"] = lend * cost.verify_time(batch * (k_ngram + 1)) / (batch * expected_tokens(a_ngram, k_ngram))
-    scores = {o: t * cost.calibration_factor(o) for o, t in scores.items()}
+    scores = {
+        "ar": t["ar"] / batch,
+        "sd": (t["sd"] + backlog / h) / (batch * e_sd),
+        "ssd_neural": (t["ssd_neural"] + (catch_up + backlog) / h) / (batch * e_sd),
+        "ssd_fast": (h * t["ssd_fast"] + backlog) / (batch * (first_fast + (h - 1) * steady_fast)),
+        "ngram": t["ngram"] / (batch * expected_tokens(a_ngram, k_ngram)),
+    }
     best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])
     if current in allowed and current.startswith("ssd") and prepared >= 1.0 and not best.startswith("ssd"):
         stay = min((o for o in OPTIONS if o in allowed and o.startswith("ssd")), key=lambda o: scores[o])

@@ -96,7 +96,8 @@ def test_policy_prices_rounds_that_leave_the_draft_idle_on_borrowed_cores():
     c = CostModel()
     c.v0, c.v1 = Ema(0.10), Ema(0.02)
     c.speculate, c.draft_step = Ema(0.05), Ema(0.04)
-    c.p_hit, c.acceptance = RateEma(0.9), RateEma(0.7)
+    c.hit_full = c.hit_partial = c.hit_after_neural = c.hit_after_fast = RateEma(0.9)
+    c.acceptance = RateEma(0.7)
     _, own = choose(c, 1, 3)
     c.enable_borrow(0.5)
     best, lent = choose(c, 1, 3)
@@ -189,7 +190,7 @@ def test_borrowed_rounds_count_the_draft_backlog_until_a_draft_round_feeds_it(mo
 
     order, lags = itertools.cycle(["ar", "ar", "ngram", "ssd_neural", "ar", "sd"]), []
 
-    def fake_choose(cost, batch, k, allowed, ngram=None, prepared=1.0, current=None, lag=0):
+    def fake_choose(cost, batch, k, allowed, ngram=None, prepared=1.0, current=None, lag=0, p_model=None):
         lags.append(lag)
         return next(order), dict.fromkeys(allowed, 1.0)
 

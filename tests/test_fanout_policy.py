@@ -1,12 +1,13 @@
 """Geometric fan-out formula and the batch-size-aware policy."""
 
 import math
+import random
 
 import pytest
 
 from ssd import policy
 from ssd.fanout import FanoutPlanner, expected_hit_rate, geometric_fanout, geometric_weights, round_keep_sum
-from ssd.policy import CostModel, Ema, choose, expected_tokens
+from ssd.policy import CostModel, Ema, choose, expected_tokens, round_seconds
 
 
 def test_geometric_formula_values():
@@ -83,7 +84,9 @@ def costs(v0, v1, draft_step, speculate, a, p_hit, a_fast=0.2):
     c = CostModel()
     c.v0, c.v1 = Ema(v0), Ema(v1)
     c.draft_step, c.speculate = Ema(draft_step), Ema(speculate)
-    c.acceptance, c.fast_acceptance, c.p_hit = Ema(a), Ema(a_fast), Ema(p_hit)
+    c.acceptance, c.fast_acceptance = Ema(a), Ema(a_fast)
+    # the same hit rate whatever the acceptance and the draft verified
+    c.hit_full = c.hit_partial = c.hit_after_neural = c.hit_after_fast = Ema(p_hit)
     return c
 
 
@@ -297,17 +300,79 @@ def test_measured_round_times_correct_the_modelled_prices():
     allowed = ("ssd_neural", "ar")
     best, before = choose(c, batch=1, k=3, allowed=allowed)
     assert best == "ssd_neural" and before["ssd_neural"] * 1.6 > before["ar"]
+    t_ssd, t_ar = round_seconds(c, "ssd_neural", 1, 3, missed=0.1), round_seconds(c, "ar", 1, 3)
     for _ in range(300):
-        c.observe_round("ssd_neural", before["ssd_neural"], 1.6 * before["ssd_neural"] * 2, 2)
-        c.observe_round("ar", before["ar"], before["ar"], 1)
+        c.observe_round("ssd_neural", t_ssd, 1.6 * t_ssd)
+        c.observe_round("ar", t_ar, t_ar)
     best, after = choose(c, batch=1, k=3, allowed=allowed)
     assert best == "ar"
     assert after["ssd_neural"] == pytest.approx(1.6 * before["ssd_neural"], rel=0.01)
     assert after["ar"] == pytest.approx(before["ar"], rel=0.01)
     for _ in range(300):
-        c.observe_round("ar", before["ar"], 5 * before["ar"], 1)
+        c.observe_round("ar", t_ar, 5 * t_ar)
     clamped = choose(c, batch=1, k=3, allowed=allowed)[1]["ar"]
     assert clamped == pytest.approx(policy.CALIBRATION_RANGE[1] * before["ar"])
+
+
+def test_calibration_counts_time_not_tokens():
+    """Rounds that take the modelled time but emit fewer tokens than expected (acceptance or hits below
+    their estimates) leave the calibration alone: the rates themselves measure tokens, and a ratio of
+    seconds per token counted a lagging hit rate twice."""
+    c = costs(v0=0.09, v1=0.014, draft_step=0.03, speculate=0.12, a=0.7, p_hit=0.5)
+    for hit in [True, False] * 50:
+        t = round_seconds(c, "ssd_neural", 1, 2, missed=0.0 if hit else 1.0)
+        c.observe_round("ssd_neural", t, t)  # on time, however few tokens came out
+    assert c.calibration_factor("ssd_neural") == pytest.approx(1.0)
+    assert round_seconds(c, "ssd_neural", 1, 2, missed=1.0) - round_seconds(c, "ssd_neural", 1, 2) == \
+        pytest.approx(2 * 0.03)  # a neural miss costs a just-in-time draft of k steps
+
+
+def test_ssd_hit_rate_follows_acceptance_measured_elsewhere():
+    """The draft predicts a bonus token (all drafts accepted) far better than a correction. After a prose
+    stretch (acceptance 0.5: few full acceptances, few hits) the policy leaves SSD, and hits are no longer
+    observed while SD rounds keep measuring acceptance. When acceptance recovers, SSD's hit rate is
+    re-priced from the two observed rates; one observed rate would stay at the prose dip."""
+    k = 3
+    c = costs(v0=0.09, v1=0.014, draft_step=0.03, speculate=0.12, a=0.5, p_hit=0.5, a_fast=0.05)
+    c.hit_full, c.hit_partial = policy.RateEma(0.8, policy.RATE_ALPHA), policy.RateEma(0.3, policy.RATE_ALPHA)
+    one_rate = policy.RateEma(0.5, policy.RATE_ALPHA)
+    rng = random.Random(0)
+    for _ in range(400):  # SSD rounds on prose
+        full = rng.random() < 0.5**k
+        hit = rng.random() < (0.9 if full else 0.1)
+        c.observe_hit("primary", full, hit)
+        one_rate.update(float(hit), 1.0)
+    assert c.hit_full.value > 0.6 and c.hit_partial.value < 0.25 and one_rate.value < 0.3
+    assert c.hit_rate(k) == pytest.approx(0.5**k * c.hit_full.value + (1 - 0.5**k) * c.hit_partial.value)
+    assert c.hit_rate(k) == pytest.approx(one_rate.value, abs=0.1)  # the same rate on the prose itself
+    c.acceptance = Ema(0.9)  # SD rounds measured the recovery
+    assert c.hit_rate(k) > 0.6
+    split = choose(c, 1, k)[1]
+    c.hit_full = c.hit_partial = one_rate
+    stale = choose(c, 1, k)[1]
+    for option in ("ssd_fast", "ssd_neural"):
+        assert split[option] < 0.9 * stale[option]
+    assert split["sd"] == stale["sd"] and split["ar"] == stale["ar"]
+
+
+def test_misses_come_in_runs():
+    """The steady share of SSD rounds verifying a cached draft: a two-state chain (hit -> miss at 1 - p,
+    backup -> hit at the backup rounds' own rate). With backup rounds hitting less often than cached
+    ones, fewer rounds verify cached drafts than the cached rounds' hit rate says, and the fast backup's
+    price rises."""
+    c = costs(v0=0.09, v1=0.014, draft_step=0.03, speculate=0.12, a=0.7, p_hit=0.6, a_fast=0.05)
+    assert c.share_primary(3, "fast") == pytest.approx(0.6)  # backup rounds hit as often: the plain rate
+    even = choose(c, 1, 3)[1]
+    c.hit_after_fast = Ema(0.3)
+    share = 0.3 / (0.3 + 1 - 0.6)
+    assert c.share_primary(3, "fast") == pytest.approx(share)
+    runs = choose(c, 1, 3)[1]
+    e_sd, e_fast = expected_tokens(0.7, 3), expected_tokens(0.05, 3)
+    assert runs["ssd_fast"] / even["ssd_fast"] == pytest.approx(
+        (0.6 * e_sd + 0.4 * e_fast) / (share * e_sd + (1 - share) * e_fast))
+    assert runs["ssd_neural"] == even["ssd_neural"]  # the neural backup's rounds have their own rate
+    c.hit_after_neural = Ema(0.3)
+    assert choose(c, 1, 3)[1]["ssd_neural"] > runs["ssd_neural"]  # more misses: more just-in-time drafts
 
 
 @pytest.mark.parametrize("ratio,kept", [(0.95, True), (0.85, False)])

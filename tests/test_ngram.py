@@ -38,7 +38,8 @@ def test_match_length_examples():
 def seeded_costs() -> CostModel:
     c = CostModel()
     c.seed({1: 0.10, 4: 0.22, 8: 0.38}, draft_step=0.04, speculate=0.15)
-    c.acceptance, c.p_hit = Ema(0.6), Ema(0.5)
+    c.acceptance = Ema(0.6)
+    c.hit_full = c.hit_partial = c.hit_after_neural = c.hit_after_fast = Ema(0.5)
     return c
 
 
@@ -126,8 +127,9 @@ def test_one_unlucky_round_does_not_zero_a_rate():
     """The hit rate starts from its prior as one trial's worth: a first miss lowers it (so the policy can
     still re-try SSD later), a run of misses takes it to zero."""
     c = CostModel()
-    c.p_hit.update(0, 1)
-    assert c.p_hit.value == pytest.approx((1 - policy.RATE_ALPHA) * 0.5)
+    prior = c.hit_partial.value
+    c.observe_hit("primary", full=False, hit=False)
+    assert c.hit_partial.value == pytest.approx((1 - policy.RATE_ALPHA) * prior)
     for _ in range(150):
-        c.p_hit.update(0, 1)
-    assert c.p_hit.value < 0.01
+        c.observe_hit("primary", full=False, hit=False)
+    assert c.hit_partial.value < 0.01

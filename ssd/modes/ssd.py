@@ -18,7 +18,7 @@ from ssd.autoconfig import SSDTuner
 from ssd.fanout import FanoutPlanner
 from ssd.handles import WorkerDied, WorkerHandle
 from ssd.modes.recovery import DraftBackedMode
-from ssd.policy import CostModel, Ema, acceptance_counts, best_draft_len, choose
+from ssd.policy import CostModel, Ema, acceptance_counts, best_draft_len, choose, round_seconds
 from ssd.sequence import Sequence
 from ssd.workers.draft_worker import SpecRequest
 from ssd.workers.messages import Draft, Outcome
@@ -82,6 +82,9 @@ class SSDMode(DraftBackedMode):
         self._lookups: dict[int, tuple[list[int], int]] = {}  # this round's lookups: seq_id -> (tokens, match)
         self._match: dict[int, int] = {}  # seq_id -> suffix length the current n-gram draft matched
         self._prepared = 1.0  # share of this round's sequences whose speculation was ready
+        self._round_k = k  # K when this round's option was chosen (the tuner may change it during the round)
+        self._round_lag = 0  # tokens the draft had not been fed when this round's option was chosen
+        self._missed = 0.0  # 1.0 when a sequence of this round's SSD batch missed
         self._lag: dict[int, int] = {}  # seq_id -> emitted tokens committed to the draft lazily, not yet fed
         self.prefill_ratio = Ema(0.0)  # draft / target (own cores) prefill time per prompt token
 
@@ -130,6 +133,7 @@ class SSDMode(DraftBackedMode):
             prepared = sum(s.seq_id in self.current for s in seqs) / len(seqs)
             self._prepared = prepared
             lag = max(self._lag.get(s.seq_id, 0) for s in seqs)
+            self._round_k, self._round_lag = self.k, lag
             choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared,
                                               current=self.last_choice or None, lag=lag)
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up (from a
@@ -155,14 +159,16 @@ class SSDMode(DraftBackedMode):
         # Such switches happen only when the policy itself prices them as cheaper.
         return not (self.borrow and option not in ("ar", "ngram"))
 
-    def _calibrate(self, outcomes: list[Outcome], seconds: float) -> None:
-        """Feed the round's measured time to the policy's calibration; a switch into SSD is left out (its
-        catch-up is priced apart)."""
+    def _calibrate(self, seqs: list[Sequence], seconds: float) -> None:
+        """Feed the round's measured time to the policy's calibration. Left out: a switch into SSD and a
+        round that fed the draft a backlog (both priced apart)."""
         choice = self.last_choice
         if choice not in self.last_scores or (choice.startswith("ssd") and self._prepared < 1.0):
             return
-        predicted = self.last_scores[choice] / self.cost.calibration_factor(choice)
-        self.cost.observe_round(choice, predicted, seconds, sum(len(o.tokens) for o in outcomes))
+        if self._round_lag and choice != "ar" and choice != "ngram":
+            return
+        predicted = round_seconds(self.cost, choice, len(seqs), self._round_k, self._ngram_k, missed=self._missed)
+        self.cost.observe_round(choice, predicted, seconds)
 
     def _ngram_plan(self, seqs: list[Sequence]) -> tuple[float, int]:
         """(acceptance, draft length) of n-gram drafts this round, from each lookup's match length."""
@@ -188,7 +194,7 @@ class SSDMode(DraftBackedMode):
         try:
             t0 = time.perf_counter()
             outcomes = self._round(seqs)
-            self._calibrate(outcomes, time.perf_counter() - t0)
+            self._calibrate(seqs, time.perf_counter() - t0)
             return outcomes
         except DraftLost as lost:
             self.current.clear()
@@ -355,10 +361,12 @@ class SSDMode(DraftBackedMode):
             self.tuner.observe_round_times(requests[0].k_next, sum(requests[0].fanout), t_verify, info["seconds"],
                                            t_wait)
         hits = 0
-        for s, o, r, (_, _, _, k_next) in zip(seqs, outcomes, resolutions, resolve_in):
+        for s, d, src, o, r, (_, _, _, k_next) in zip(seqs, drafts, sources, outcomes, resolutions, resolve_in):
             fanout = self.fanout_used[s.seq_id]
             f_k = fanout[o.num_accepted] if o.num_accepted < len(fanout) else 0
             self.planner.observe_hit(f_k, r.hit)
+            kind = "primary" if src == "primary" else "fast" if d.q_kind == "point" else "neural"
+            self.cost.observe_hit(kind, o.num_accepted == len(d.tokens), r.hit)
             (self.stats.hits_per_k if r.hit else self.stats.misses_per_k)[o.num_accepted] += 1
             m = s.metrics
             if r.hit:
@@ -371,7 +379,7 @@ class SSDMode(DraftBackedMode):
                     self.current[s.seq_id] = (r.draft, r.q, "backup")
                 else:
                     self.current[s.seq_id] = (self._fast_backup(s, o.tokens, k_next), None, "backup")
-        self.cost.p_hit.update(hits, len(seqs))
+        self._missed = float(hits < len(seqs))
         return outcomes
 
 
