@@ -11,8 +11,9 @@ under three serialisations of torch tensors (see main()).
 Every variant runs the same two actor calls per round (produce on the draft, consume on the
 target) and the table reports wall time per round and the time above the `null` floor.
 
-    python benchmarks/transfer.py [--rows 8] [--vocab 151936] [--rounds 50]
-Writes results/transfer.json.
+    python benchmarks/transfer.py [--rows 8] [--vocab 151936] [--rounds 50] [--kept 32769]
+Writes results/transfer.json. `--kept N`: q is zero outside the first N token ids, as with a draft
+restricted by `draft_vocab` (ssd_numpy then sends only the used columns).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from ssd.launch.actors import register_serializers
 class Side:
     """One end: rank 0 = target (consumer), rank 1 = draft (producer)."""
 
-    def __init__(self, rows: int, vocab: int, numpy_serializer: bool) -> None:
+    def __init__(self, rows: int, vocab: int, numpy_serializer: bool, kept: int | None = None) -> None:
         if numpy_serializer:
             register_serializers()
         torch.set_num_threads(1)
         self.q = torch.rand(rows, vocab)
+        if kept is not None:
+            self.q[:, kept:] = 0.0
         self.q /= self.q.sum(-1, keepdim=True)
         self.buf = torch.empty(rows, vocab)
         self.tiny = torch.ones(1, 1)
@@ -102,10 +105,10 @@ def timed(variants: dict, rounds: int, warmup: int = 5) -> dict[str, list[float]
     return out
 
 
-def run(rows: int, vocab: int, rounds: int, numpy_serializer: bool) -> dict:
+def run(rows: int, vocab: int, rounds: int, numpy_serializer: bool, kept: int | None = None) -> dict:
     if numpy_serializer:
         register_serializers()
-    target, draft = Side.remote(rows, vocab, numpy_serializer), Side.remote(rows, vocab, numpy_serializer)
+    target, draft = (Side.remote(rows, vocab, numpy_serializer, kept) for _ in range(2))
     ray.get([target.address.remote(), draft.address.remote()])
     variants = {
         "null": lambda: ray.get(target.consume.remote(draft.produce.remote(True))),
@@ -143,6 +146,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--kept", type=int, default=None, help="q = 0 outside the first KEPT token ids")
     ap.add_argument("--out", default="results/transfer.json")
     args = ap.parse_args()
     nbytes = args.rows * args.vocab * 4
@@ -156,12 +160,13 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": zc}})
         try:
-            times = run(args.rows, args.vocab, args.rounds, numpy_serializer=key == "ssd_numpy")
+            times = run(args.rows, args.vocab, args.rounds, numpy_serializer=key == "ssd_numpy", kept=args.kept)
         finally:
             ray.shutdown()
         results[key] = summarise(times, nbytes)
 
-    print(f"q tensor [{args.rows}, {args.vocab}] float32 = {nbytes / 1e6:.2f} MB, {args.rounds} rounds, "
+    kept = "" if args.kept is None else f", zero outside the first {args.kept} ids"
+    print(f"q tensor [{args.rows}, {args.vocab}] float32 = {nbytes / 1e6:.2f} MB{kept}, {args.rounds} rounds, "
           f"{os.cpu_count()} cores")
     head = ("ray serialisation", "transport", "median ms", "p90 ms", "+null ms", "GB/s")
     print(f"{head[0]:<18} {head[1]:<16} {head[2]:>10} {head[3]:>8} {head[4]:>9} {head[5]:>7}")
@@ -173,7 +178,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "shape": [args.rows, args.vocab], "dtype": "float32", "bytes": nbytes, "rounds": args.rounds,
+        "shape": [args.rows, args.vocab], "dtype": "float32", "bytes": nbytes, "kept": args.kept,
+        "rounds": args.rounds,
         "cpu_count": os.cpu_count(), "machine": platform.machine(), "torch": torch.__version__,
         "ray": ray.__version__, "results": results,
     }, indent=2))
