@@ -13,7 +13,7 @@ target) and the table reports wall time per round and the time above the `null` 
 
     python benchmarks/transfer.py [--rows 8] [--vocab 151936] [--rounds 50] [--kept 32769]
 Writes results/transfer.json. `--kept N`: q is zero outside the first N token ids, as with a draft
-restricted by `draft_vocab` (ssd_numpy then sends only the used columns).
+restricted by `draft_vocab`.
 """
 
 from __future__ import annotations

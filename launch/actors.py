@@ -54,31 +54,12 @@ _DEATH = (
 # actor (RayHandle.call_split + passing the future).
 
 
-SPARSE_MIN_COLUMNS = 4096  # only q-like tensors ([rows, vocabulary]) are scanned for unused columns
-
-
-def _used_columns(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
-    """A 2-D float32 tensor most of whose columns are all zero, as (the other columns' ids, their
-    values); None otherwise. A draft restricted to part of the vocabulary (`draft_vocab`), or sampling
-    with top-k / top-p, gives q = 0 on most token ids: with draft_vocab 32768 on the qwen pair a q
-    crosses in ~22 % of its bytes. Bit patterns are compared, so a -0.0 arrives as -0.0."""
-    if t.dim() != 2 or t.dtype != torch.float32 or t.shape[1] < SPARSE_MIN_COLUMNS:
-        return None
-    used = (t.view(torch.int32) != 0).any(0).nonzero().squeeze(1)  # [n]
-    if 2 * used.numel() > t.shape[1]:
-        return None
-    return used.to(torch.int32).numpy(), t[:, used].numpy()  # [n], [rows, n]
-
-
 def _tensor_to_wire(t: torch.Tensor) -> tuple[str, Any, str]:
     t = t.detach()
     device = t.device.type
     if device != "cpu":
         t = t.cpu()
     t = t.contiguous()
-    sparse = _used_columns(t)
-    if sparse is not None:
-        return "columns", (*sparse, t.shape[1]), device
     if t.dtype == torch.bfloat16:
         return "bf16", t.view(torch.int16).numpy(), device
     try:
@@ -93,10 +74,6 @@ def _tensor_from_wire(payload: tuple[str, Any, str]) -> torch.Tensor:
     kind, data, device = payload
     if kind == "torch":
         t = torch.load(io.BytesIO(data), weights_only=True)
-    elif kind == "columns":
-        cols, vals, n_cols = data
-        t = torch.zeros(vals.shape[0], n_cols, dtype=torch.float32)
-        t[:, torch.from_numpy(cols.astype(np.int64))] = torch.from_numpy(np.array(vals, copy=True))
     else:
         # Copy out of the read-only shared-memory buffer: the receiver may write to its tensors.
         t = torch.from_numpy(np.array(data, copy=True))

@@ -48,37 +48,19 @@ def _q_over_kept_ids(rows: int, vocab: int, kept: int, seed: int = 0):
     return q / q.sum(-1, keepdim=True)
 
 
-def _wire_bytes(payload) -> int:
-    kind, data, _ = payload
-    return sum(a.nbytes for a in data[:2]) if kind == "columns" else data.nbytes
-
-
-def test_a_q_over_part_of_the_vocabulary_crosses_as_its_used_columns_bit_exactly():
-    import torch
-
-    from ssd.launch.actors import _tensor_from_wire, _tensor_to_wire
-
-    q = _q_over_kept_ids(8, 151936, 32768)
-    q[2, 5] = -0.0  # bit patterns are compared: -0.0 marks its column used and arrives as -0.0
-    q[:, 40000] = 0.0
-    q[3, 40000] = -0.0
-    payload = _tensor_to_wire(q)
-    assert payload[0] == "columns"
-    assert _wire_bytes(payload) < 0.25 * q.numel() * 4
-    back = _tensor_from_wire(payload)
-    assert back.dtype == torch.float32 and back.shape == q.shape
-    assert torch.equal(back.view(torch.int32), q.view(torch.int32))
-
-
-@pytest.mark.parametrize("shape,dtype,kept", [((8, 151936), "float32", 151936), ((8, 151936), "float32", 80000),
+@pytest.mark.parametrize("shape,dtype,kept", [((8, 151936), "float32", 151936), ((8, 151936), "float32", 32770),
                                               ((4, 1000), "float32", 10), ((8, 151936), "bfloat16", 100)])
-def test_other_tensors_cross_whole(shape, dtype, kept):
-    """Dense q (over half the columns used), small tensors and other dtypes keep the plain encoding."""
+def test_tensors_cross_whole_and_bit_exact(shape, dtype, kept):
+    """A q over part of the vocabulary crosses whole too: sending only its used columns measured twice as
+    slow actor to actor (benchmarks/transfer.py --kept; the scan, gather and scatter cost more than the
+    bytes saved on one machine)."""
     import torch
 
     from ssd.launch.actors import _tensor_from_wire, _tensor_to_wire
 
     t = _q_over_kept_ids(*shape, kept).to(getattr(torch, dtype))
     payload = _tensor_to_wire(t)
-    assert payload[0] != "columns"
-    assert torch.equal(_tensor_from_wire(payload), t)
+    assert payload[0] == ("bf16" if dtype == "bfloat16" else "np")
+    back = _tensor_from_wire(payload)
+    assert back.dtype == t.dtype and torch.equal(back.view(torch.int16 if dtype == "bfloat16" else torch.int32),
+                                                t.view(torch.int16 if dtype == "bfloat16" else torch.int32))
