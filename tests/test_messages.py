@@ -62,5 +62,5 @@ def test_tensors_cross_whole_and_bit_exact(shape, dtype, kept):
     payload = _tensor_to_wire(t)
     assert payload[0] == ("bf16" if dtype == "bfloat16" else "np")
     back = _tensor_from_wire(payload)
-    assert back.dtype == t.dtype and torch.equal(back.view(torch.int16 if dtype == "bfloat16" else torch.int32),
-                                                t.view(torch.int16 if dtype == "bfloat16" else torch.int32))
+    bits = torch.int16 if dtype == "bfloat16" else torch.int32
+    assert back.dtype == t.dtype and torch.equal(back.view(bits), t.view(bits))

@@ -165,7 +165,7 @@ class SSDMode(DraftBackedMode):
         choice = self.last_choice
         if choice not in self.last_scores or (choice.startswith("ssd") and self._prepared < 1.0):
             return
-        if self._round_lag and choice != "ar" and choice != "ngram":
+        if self._round_lag and choice not in ("ar", "ngram"):
             return
         predicted = round_seconds(self.cost, choice, len(seqs), self._round_k, self._ngram_k, missed=self._missed)
         self.cost.observe_round(choice, predicted, seconds)
