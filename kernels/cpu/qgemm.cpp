@@ -440,8 +440,10 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, c
 // Every lane does exactly what tile_dot does for its row (the same integer sums, then the same two
 // fma per block), so the outputs are bit-identical to tile_dot's; the instructions per weight halve.
 // Up to 4 rows, low and high nibbles go to two dpbusd chains per row (tile_dot's latency argument);
-// at 5-8 rows one chain each, which leaves enough independent chains and keeps all 8 rows' sums and
-// accumulators in the 32 vector registers, so the weights are unpacked once for 8 rows.
+// at 5-8 rows one chain each, as the rows' chains are independent. Each row's sums are scaled into
+// its accumulator before the next row starts, so 8 accumulators, the unpacked codes and one row's
+// sums fit the 32 vector registers: the weights are unpacked once for 8 rows and nothing spills
+// (summing all rows first spilled, 7-16 % slower at 8 rows).
 inline __m512i load2(const uint8_t* a, const uint8_t* b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
@@ -471,32 +473,27 @@ inline void tile2_dot(const uint8_t* wa, const uint8_t* wb, const uint16_t* sa, 
         }
         auto load = [&](int off) { return load2(ba + off, bb + off); };
         for (int part = 0; part < parts; ++part) {
-            __m512i sum_lo[R], sum_hi[R];
-            for (int i = 0; i < R; ++i) sum_lo[i] = sum_hi[i] = _mm512_setzero_si512();
             __m512i lo[chunks], hi[chunks];
             unpack_codes<FMT>(load, part, lo, hi);
-#pragma GCC unroll 8
-            for (int i = 0; i < R; ++i) {
-#pragma GCC unroll 4
-                for (int cc = 0; cc < chunks; ++cc) {
-                    const int c = part * chunks + cc;
-                    int32_t x_lo, x_hi;
-                    act_words(a, m0 + i, b, c, x_lo, x_hi);
-                    sum_lo[i] = _mm512_dpbusd_epi32(sum_lo[i], lo[cc], _mm512_set1_epi32(x_lo));
-                    if (R <= 4)
-                        sum_hi[i] = _mm512_dpbusd_epi32(sum_hi[i], hi[cc], _mm512_set1_epi32(x_hi));
-                    else  // one chain per row: 8 rows are enough independent chains, and registers are short
-                        sum_lo[i] = _mm512_dpbusd_epi32(sum_lo[i], hi[cc], _mm512_set1_epi32(x_hi));
-                }
-            }
             const __m512 s16 = load_half2(sa + (b * parts + part) * 8, sb + (b * parts + part) * 8);
             const __m512 o16 = FMT == FMT_Q4 ? load_half2(oa + b * 8, ob + b * 8)
                                              : _mm512_mul_ps(s16, _mm512_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int i = 0; i < R; ++i) {
+                __m512i sum_lo = _mm512_setzero_si512(), sum_hi = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int cc = 0; cc < chunks; ++cc) {
+                    int32_t x_lo, x_hi;
+                    act_words(a, m0 + i, b, part * chunks + cc, x_lo, x_hi);
+                    sum_lo = _mm512_dpbusd_epi32(sum_lo, lo[cc], _mm512_set1_epi32(x_lo));
+                    if (R <= 4)  // two chains halve the dependent latency
+                        sum_hi = _mm512_dpbusd_epi32(sum_hi, hi[cc], _mm512_set1_epi32(x_hi));
+                    else  // 5-8 rows are enough independent chains; one saves the add
+                        sum_lo = _mm512_dpbusd_epi32(sum_lo, hi[cc], _mm512_set1_epi32(x_hi));
+                }
                 const size_t at = static_cast<size_t>(m0 + i) * a.nbp + b;
                 const float sx = FMT == FMT_Q6 ? a.sx16[2 * at + part] : a.sx[at];
-                const __m512i sum = R <= 4 ? _mm512_add_epi32(sum_lo[i], sum_hi[i]) : sum_lo[i];
+                const __m512i sum = R <= 4 ? _mm512_add_epi32(sum_lo, sum_hi) : sum_lo;
                 acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s16, _mm512_set1_ps(a.dx[at])), _mm512_cvtepi32_ps(sum), acc[i]);
                 acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(sx), acc[i]);
             }
@@ -883,11 +880,12 @@ void ssd_attend_rows(const void* q, int64_t q_stride, const void* kc, const void
     for (int job = 0; job < R * Hkv; ++job) {
         const int r = job / Hkv, kvh = job % Hkv;
         const int L = len[r];
-        float* buf = new float[static_cast<size_t>(group) * (2 * hd + L) + hd];
+        float* buf = new float[static_cast<size_t>(group) * (2 * hd + L) + hd + static_cast<size_t>(L) * hd];
         float* qf = buf;                                    // [group, hd]
         float* sc = buf + static_cast<size_t>(group) * hd;  // [group, L]
         float* acc = sc + static_cast<size_t>(group) * L;   // [group, hd]
-        float* row = acc + static_cast<size_t>(group) * hd; // [hd]: one key / value row in fp32
+        float* row = acc + static_cast<size_t>(group) * hd; // [hd]: one key row in fp32
+        float* vf = row + hd;                               // [L, hd]: the value rows in fp32
         auto load = [&](const void* base, size_t at, float* dst) {
             if (bf16) {
                 const uint16_t* p = static_cast<const uint16_t*>(base) + at;
@@ -928,13 +926,29 @@ void ssd_attend_rows(const void* q, int64_t q_stride, const void* kc, const void
             const float inv = 1.0f / sum;
             for (int l = 0; l < L; ++l) s[l] *= inv;
         }
-        memset(acc, 0, sizeof(float) * group * hd);
-        for (int l = 0; l < L; ++l) {
-            load(vc, (head_base + pos_of(l)) * hd, row);
-            for (int g = 0; g < group; ++g) {
-                const float p = sc[static_cast<size_t>(g) * L + l];
-                float* a = acc + static_cast<size_t>(g) * hd;
-                for (int d = 0; d < hd; ++d) a[d] += p * row[d];
+        // acc[g] = sum over l of p[g, l] * v[l], added in order of l from 0 (one mul and one add per
+        // element). The value rows are converted once; each head then keeps 64 columns of its sum in
+        // registers over all positions instead of loading and storing them per position.
+        for (int l = 0; l < L; ++l) load(vc, (head_base + pos_of(l)) * hd, vf + static_cast<size_t>(l) * hd);
+        for (int g = 0; g < group; ++g) {
+            const float* p = sc + static_cast<size_t>(g) * L;
+            float* a = acc + static_cast<size_t>(g) * hd;
+            int d0 = 0;
+            for (; d0 + 64 <= hd; d0 += 64) {
+                __m256 s8[8];
+                for (int j = 0; j < 8; ++j) s8[j] = _mm256_setzero_ps();
+                for (int l = 0; l < L; ++l) {
+                    const __m256 pl = _mm256_set1_ps(p[l]);
+                    const float* v = vf + static_cast<size_t>(l) * hd + d0;
+#pragma GCC unroll 8
+                    for (int j = 0; j < 8; ++j) s8[j] = _mm256_add_ps(s8[j], _mm256_mul_ps(pl, _mm256_loadu_ps(v + 8 * j)));
+                }
+                for (int j = 0; j < 8; ++j) _mm256_storeu_ps(a + d0 + 8 * j, s8[j]);
+            }
+            for (int d = d0; d < hd; ++d) {
+                float t = 0.0f;
+                for (int l = 0; l < L; ++l) t += p[l] * vf[static_cast<size_t>(l) * hd + d];
+                a[d] = t;
             }
         }
         for (int g = 0; g < group; ++g) {
