@@ -12,6 +12,7 @@ import torch
 from ssd.workers.messages import SamplingSpec
 from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.decoder import DecoderModel
+from ssd.workers.models.hugepages import move_to_huge_pages
 from ssd.workers.seq_state import SeqState, make_generator
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -121,6 +122,8 @@ class ModelWorker:
         self.device = device
         self.linear_kernel = linear_kernel
         self.model, self.tokenizer = self.load_model(model, parse_dtype(dtype), device, quantization)
+        if device == "cpu":
+            move_to_huge_pages(self.model)  # same bits; fewer TLB misses while a step streams the weights
         self.config = self.model.config
         self.runner = ModelRunner(self.model, max_slots=max_slots, max_len=max_len, device=device,
                                   cuda_graphs=cuda_graphs)
