@@ -22,6 +22,7 @@ from ssd.kernels import cpu as cpu_kernels
 from ssd.workers.loader import load_model
 from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.dense import use_dense_kernels
+from ssd.workers.models.hugepages import move_to_huge_pages
 
 KERNELS = ("decoder_layers", "linear", "linear_dense", "attend_rows", "rmsnorm", "silu_mul")
 
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model, dtype=torch.bfloat16, quantization=quant, progress=False).model
     if quant is None:
         use_dense_kernels(model)
+    move_to_huge_pages(model)  # as every CPU worker does
     runner = ModelRunner(model, max_slots=1, max_len=512)
     slot = runner.allocate()
     runner.forward([slot], [[(i * 7919) % 5000 + 100 for i in range(200)]], last_only=True)

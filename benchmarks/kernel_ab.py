@@ -26,6 +26,7 @@ import torch
 from ssd.kernels import cpu as qk
 from ssd.workers.loader import load_model
 from ssd.workers.model_runner import ModelRunner
+from ssd.workers.models.hugepages import move_to_huge_pages
 
 
 def load_from(folder: Path) -> object:
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     libs = {"base": load_from(args.base), "new": qk.load(qk.isa())}
 
     model = load_model(args.model, dtype=torch.bfloat16, quantization=args.quantization, progress=False).model
+    move_to_huge_pages(model)  # as every CPU worker does
     runner = ModelRunner(model, max_slots=1, max_len=args.cache + max(ns) + 8)
     slot = runner.allocate()
     runner.forward([slot], [[(i * 7919) % 5000 + 100 for i in range(args.cache)]], last_only=True)

@@ -43,6 +43,7 @@ from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.config import ModelConfig
 from ssd.workers.models.decoder import DecoderModel
 from ssd.workers.models.dense import use_dense_kernels
+from ssd.workers.models.hugepages import move_to_huge_pages
 from ssd.workers.models.quant import cuda_kernel_available, quantize_model
 
 MODELS = ("qwen-coder-1.5b", "qwen-coder-0.5b")
@@ -99,6 +100,8 @@ class OurVariant:
         self.model = model
         self.weight_bytes = weight_bytes_per_token(model)
         self.device = model.embed_tokens.weight.device
+        if self.device.type == "cpu":
+            move_to_huge_pages(model)  # as every CPU worker does
         self.runner = ModelRunner(model, max_slots=1, max_len=CACHE + 256, device=self.device,
                                   cuda_graphs=cuda_graphs)
         self.slot = self.runner.allocate()
