@@ -15,15 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-from ssd.workers.loader import load_model
-from ssd.workers.model_runner import ModelRunner
-from ssd.workers.models.hugepages import move_to_huge_pages, thp_mode
+sys.path.insert(0, str(Path(__file__).parent))
+
+from alternate import alternate, prefilled, report  # noqa: E402
+
+from ssd.workers.loader import load_model  # noqa: E402
+from ssd.workers.models.hugepages import move_to_huge_pages, thp_mode  # noqa: E402
 
 
 def anon_huge_kb() -> int:
@@ -60,39 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if moved == 0:
         print("nothing moved: no comparison to make")
         return 1
-    runners = {}
-    for v, model in models.items():
-        runner = ModelRunner(model, max_slots=1, max_len=256)
-        slot = runner.allocate()
-        runner.forward([slot], [[(i * 7919) % 5000 + 100 for i in range(200)]], last_only=True)
-        runners[v] = (runner, slot)
-
-    spent: dict[tuple[str, int, int], list[float]] = {(v, t, n): [] for v in runners for t in threads for n in ns}
-    logits: dict[tuple[str, int], torch.Tensor] = {}
-    for r in range(args.rounds):
-        for t in threads:
-            torch.set_num_threads(t)
-            for n in ns:
-                for v in (("4k", "huge") if r % 2 == 0 else ("huge", "4k")):
-                    runner, slot = runners[v]
-                    for rep in range(4):  # the first call after a switch is not counted
-                        t0 = time.perf_counter()
-                        logits[(v, n)] = runner.forward([slot], [[100 + i for i in range(n)]], last_only=n == 1)
-                        dt = time.perf_counter() - t0
-                        runner.truncate(slot, 200)
-                        if rep > 0:
-                            spent[(v, t, n)].append(dt)
-
-    rows = []
+    variants = {v: prefilled(model, max(ns)) for v, model in models.items()}
+    spent, logits = alternate(variants, threads, ns, args.rounds)
     print(f"{args.model} {args.quantization}: ms per forward (median of {3 * args.rounds})")
-    print(f"{'threads':>7} {'n':>3} {'4 KiB':>8} {'huge':>8} {'huge/4k':>8}")
-    for t in threads:
-        for n in ns:
-            a, b = (statistics.median(spent[(v, t, n)]) * 1e3 for v in ("4k", "huge"))
-            rows.append(dict(threads=t, n=n, ms_4k=round(a, 2), ms_huge=round(b, 2), ratio=round(b / a, 3)))
-            print(f"{t:>7} {n:>3} {a:>8.1f} {b:>8.1f} {b / a:>8.3f}")
-    same = {n: bool(torch.equal(logits[("4k", n)], logits[("huge", n)])) for n in ns}
-    print("same logits: " + ", ".join(f"n={n}: {s}" for n, s in same.items()))
+    rows, same = report(spent, logits, "4k", "huge", threads, ns)
     out = Path(args.out or Path(__file__).resolve().parent.parent / "results" / f"huge_pages-{args.model}.json")
     out.write_text(json.dumps(dict(args=vars(args), thp=thp_mode(), moved_mb=round(moved / 1e6), huge_mb=huge_kb / 1e3,
                                    rows=rows, same_logits=same), indent=1))

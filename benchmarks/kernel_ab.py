@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-from ssd.kernels import cpu as qk
-from ssd.workers.loader import load_model
-from ssd.workers.model_runner import ModelRunner
-from ssd.workers.models.hugepages import move_to_huge_pages
+sys.path.insert(0, str(Path(__file__).parent))
+
+from alternate import Variant, alternate, prefilled, report  # noqa: E402
+
+from ssd.kernels import cpu as qk  # noqa: E402
+from ssd.workers.loader import load_model  # noqa: E402
+from ssd.workers.models.hugepages import move_to_huge_pages  # noqa: E402
 
 
 def load_from(folder: Path) -> object:
@@ -47,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="2")
     ap.add_argument("--tokens", default="1,8", help="tokens scored per forward (1 = decode, K + 1 = verify K)")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--cache", type=int, default=200, help="tokens already in the KV cache")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not (args.base / qk.SOURCES[0]).is_file():
@@ -58,46 +59,18 @@ def main(argv: list[str] | None = None) -> int:
 
     model = load_model(args.model, dtype=torch.bfloat16, quantization=args.quantization, progress=False).model
     move_to_huge_pages(model)  # as every CPU worker does
-    runner = ModelRunner(model, max_slots=1, max_len=args.cache + max(ns) + 8)
-    slot = runner.allocate()
-    runner.forward([slot], [[(i * 7919) % 5000 + 100 for i in range(args.cache)]], last_only=True)
+    shared = prefilled(model, max(ns))
 
-    spent: dict[tuple[str, int, int], list[float]] = {(v, t, n): [] for v in libs for t in threads for n in ns}
-    logits: dict[tuple[str, int], torch.Tensor] = {}
-    for r in range(args.rounds):
-        for t in threads:
-            torch.set_num_threads(t)
-            for n in ns:
-                order = list(libs.items()) if r % 2 == 0 else list(reversed(libs.items()))
-                for name, lib in order:
-                    qk._lib = lambda lib=lib: lib  # the model's layers call whichever library _lib returns
-                    for rep in range(4):  # the first call of each switch warms caches and is not counted
-                        t0 = time.perf_counter()
-                        out = runner.forward([slot], [[100 + i for i in range(n)]], last_only=n == 1)
-                        dt = time.perf_counter() - t0
-                        runner.truncate(slot, args.cache)
-                        if rep > 0:
-                            spent[(name, t, n)].append(dt)
-                    logits[(name, n)] = out
+    def using(lib: object) -> Variant:  # the model's layers call whichever library _lib returns
+        return Variant(shared.runner, shared.slot, enter=lambda: setattr(qk, "_lib", lambda: lib))
 
-    rows = []
+    spent, logits = alternate({name: using(lib) for name, lib in libs.items()}, threads, ns, args.rounds)
     print(f"{args.model} {args.quantization}, {qk.isa()} build, ms per forward (median of {3 * args.rounds})")
-    print(f"{'threads':>7} {'n':>3} {'base':>8} {'new':>8} {'new/base':>9}")
-    for t in threads:
-        for n in ns:
-            b, w = (statistics.median(spent[(v, t, n)]) * 1e3 for v in ("base", "new"))
-            rows.append(dict(threads=t, n=n, base_ms=round(b, 2), new_ms=round(w, 2), ratio=round(w / b, 3)))
-            print(f"{t:>7} {n:>3} {b:>8.1f} {w:>8.1f} {w / b:>9.3f}")
-    if 1 in ns and 8 in ns:
-        for t in threads:
-            ratios = {v: statistics.median(spent[(v, t, 8)]) / statistics.median(spent[(v, t, 1)]) for v in libs}
-            print(f"threads {t}: t(8)/t(1) base {ratios['base']:.2f}, new {ratios['new']:.2f}")
-    same = {n: bool(torch.equal(logits[("base", n)], logits[("new", n)])) for n in ns}
-    print("same logits: " + ", ".join(f"n={n}: {s}" for n, s in same.items()))
-    out_path = Path(args.out or Path(__file__).resolve().parent.parent / "results" / f"kernel_ab-{args.model}.json")
-    out_path.write_text(json.dumps(dict(args={**vars(args), "base": str(args.base)}, isa=qk.isa(), rows=rows,
-                                        same_logits=same), indent=1))
-    print(f"wrote {out_path}")
+    rows, same = report(spent, logits, "base", "new", threads, ns)
+    out = Path(args.out or Path(__file__).resolve().parent.parent / "results" / f"kernel_ab-{args.model}.json")
+    out.write_text(json.dumps(dict(args={**vars(args), "base": str(args.base)}, isa=qk.isa(), rows=rows,
+                                   same_logits=same), indent=1))
+    print(f"wrote {out}")
     return 0
 
 
