@@ -63,29 +63,24 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
     if not available():
         log.debug("transparent huge pages: %s; weights stay in normal pages", thp_mode())
         return 0
-    moved: dict[tuple[int, torch.Size, torch.dtype], Tensor] = {}
-    done: set[tuple[int, torch.Size, torch.dtype]] = set()
+    def big(t: Tensor | None) -> bool:
+        return (t is not None and t.device.type == "cpu" and t.is_contiguous()
+                and t.numel() * t.element_size() >= min_bytes)
+
     total = 0
-
-    def place(t: Tensor) -> Tensor | None:
-        nonlocal total
-        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() * t.element_size() < min_bytes:
-            return None
-        key = (t.data_ptr(), t.shape, t.dtype)
-        if key in done:  # a parameter shared with a module seen before: already moved
-            return None
-        if key not in moved:
-            moved[key] = huge_page_copy(t)
-            done.add((moved[key].data_ptr(), t.shape, t.dtype))
-            total += t.numel() * t.element_size()
-        return moved[key]
-
+    for p in model.parameters():  # each Parameter object once: a tied weight moves once and stays tied
+        if big(p):
+            p.data = huge_page_copy(p.data)
+            total += p.numel() * p.element_size()
+    # id of a buffer -> (the buffer, kept alive so its id stays its own; its copy), for a buffer registered
+    # in several modules
+    copies: dict[int, tuple[Tensor, Tensor]] = {}
     for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None and (new := place(p.data)) is not None:
-                p.data = new
         for name, b in list(module._buffers.items()):
-            if b is not None and (new := place(b)) is not None:
-                module._buffers[name] = new
+            if big(b):
+                if id(b) not in copies:
+                    copies[id(b)] = (b, huge_page_copy(b))
+                    total += b.numel() * b.element_size()
+                module._buffers[name] = copies[id(b)][1]
     log.debug("moved %.0f MB of weights into huge pages", total / 1e6)
     return total
