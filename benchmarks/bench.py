@@ -35,7 +35,7 @@ def placement_kwargs(placement: str, mode: str, cores: list[int]) -> dict:
     c0, c1 = cores[0], cores[-1]
     if placement == "a":
         if mode in ("ssd", "auto"):  # the target keeps to its core even where the draft idles
-            return dict(target_cores=[c0], draft_cores=[c1], borrow_draft_cores=False)
+            return dict(target_cores=[c0], draft_cores=[c1], core_loans=False)
         return dict(target_cores=[c0], draft_cores=[c0])
     if mode in ("ssd", "auto"):  # auto: the target borrows the draft's core in rounds the draft idles
         return dict(target_cores=[c0], draft_cores=[c1])

@@ -95,8 +95,8 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft proposes only the first N token ids (+ end-of-sequence): a cheaper draft step, "
                         "still lossless")
-    g.add_argument("--no-borrow-draft-cores", dest="borrow_draft_cores", action="store_false", default=None,
-                   help="mode auto on CPU: keep the target on its own cores even in rounds where the draft idles")
+    g.add_argument("--no-core-loans", dest="core_loans", action="store_false", default=None,
+                   help="mode auto on CPU: keep target and draft on their own cores even while the other idles")
     g.add_argument("--linear-kernel", choices=("auto", "dense", "torch"),
                    help="unquantised CPU linears: the dense C kernel (bf16/fp32 weights, batch invariant; the "
                         "default where it builds) or torch's F.linear")
@@ -227,8 +227,8 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["linear_kernel"] = args.linear_kernel
     if args.cuda_graphs is False:
         kw["cuda_graphs"] = False
-    if args.borrow_draft_cores is False:
-        kw["borrow_draft_cores"] = False
+    if args.core_loans is False:
+        kw["core_loans"] = False
     if args.ray is not None:
         kw["use_ray"] = args.ray
     if args.address:

@@ -13,8 +13,9 @@ CUDA_VISIBLE_DEVICES to the GPU it was given.
 cfg.extra["draft_resource"] (e.g. {"draft_node": 1}) puts the draft wherever that custom Ray
 resource is (another node), outside the placement group, unpinned.
 
-mode="auto" on CPU (Config.borrow_draft_cores): the target may also compute on the draft's cores
-(`spare_cores`) in rounds where the draft has nothing to do; the coordinator asks per call.
+mode="auto" on CPU (Config.core_loans): the target may also compute on the draft's cores
+(`spare_cores`) in rounds where the draft has nothing to do, and the draft on the target's while the
+target waits for a just-in-time draft; the coordinator asks per call.
 
 Tensor-parallel target (cfg.extra["target_tp"] = T > 1): T target actors (TPTargetWorker ranks,
 launch/tp.py), one placement-group bundle each: {"GPU": 1, "CPU": 1} per rank on GPUs (bundles
@@ -43,7 +44,7 @@ class ActorPlan:
     device: str = "cpu"
     num_threads: int | None = None
     cpu_cores: list[int] | None = None
-    spare_cores: list[int] | None = None  # cores it may borrow while their owner idles (the draft's)
+    spare_cores: list[int] | None = None  # cores it may borrow while their owner idles (the other worker's)
 
 
 @dataclass
@@ -146,9 +147,9 @@ def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
             )
         if cfg.draft_device and cfg.draft_device.startswith("cuda"):
             draft.device, draft.num_gpus = "cuda", 1
-        elif (cfg.borrow_draft_cores and cfg.mode == "auto" and tp == 1 and target.cpu_cores and draft.cpu_cores
+        elif (cfg.core_loans and cfg.mode == "auto" and tp == 1 and target.cpu_cores and draft.cpu_cores
               and not remote_draft and not share and not overlap):
-            target.spare_cores = list(draft.cpu_cores)
+            target.spare_cores, draft.spare_cores = list(draft.cpu_cores), list(target.cpu_cores)
     if tp == 1:
         return Plan(target, draft)
     per = len(t_cores) // tp

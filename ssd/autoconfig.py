@@ -34,6 +34,7 @@ class AutoConfig:
     t_draft1: float = 0.0  # one plain draft step (measured for plain SD only)
     t_chain: dict[int, float] = field(default_factory=dict)  # the draft scoring n chain tokens (SSD)
     borrow_share: float | None = None  # verification on borrowed cores / on the target's own (measured)
+    draft_borrow_share: float | None = None  # a draft forward on the target's cores too / on its own (measured)
 
 
 @dataclass
@@ -152,7 +153,9 @@ def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch:
     return best
 
 
-def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool, borrow: bool = False) -> AutoConfig:
+def autoconfigure(
+    target: WorkerHandle, draft: WorkerHandle, ssd: bool, borrow: bool = False, draft_borrow: bool = False
+) -> AutoConfig:
     ns = sorted({k + 1 for k in K_CHOICES})
     t_verify = {n: target.call("time_forward", n).result() for n in [1, *ns]}  # n = 1: the policy's AR price
     borrow_share = None
@@ -160,6 +163,11 @@ def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool, borrow: 
         shares = [target.call("time_forward", n, borrow=True).result() / t_verify[n] for n in (1, ns[-1])]
         borrow_share = sum(shares) / len(shares)
     t_chain = {n: draft.call("time_forward", n).result() for n in ns}
+    draft_share = None
+    if draft_borrow:  # the draft on the target's cores too: one draft step and the longest chain
+        own = {1: draft.call("time_forward", 1).result(), ns[-1]: t_chain[ns[-1]]}
+        shares = [draft.call("time_forward", n, borrow=True).result() / t for n, t in own.items()]
+        draft_share = sum(shares) / len(shares)
     sizes = sorted({b for k in K_CHOICES for b in budgets(k)})
     t_branch = {n: draft.call("time_forward", n, 128, True).result() for n in sizes} if ssd else {1: t_chain[ns[0]]}
     t_draft1 = 0.0
@@ -172,5 +180,7 @@ def autoconfigure(target: WorkerHandle, draft: WorkerHandle, ssd: bool, borrow: 
              {n: round(t * 1e3, 1) for n, t in t_verify.items()})
     if borrow_share is not None:
         log.info("auto-config: verification on borrowed cores takes %.2fx the target's own", borrow_share)
+    if draft_share is not None:
+        log.info("auto-config: a draft forward on borrowed cores takes %.2fx the draft's own", draft_share)
     return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch, t_draft1=t_draft1, t_chain=t_chain,
-                      borrow_share=borrow_share)
+                      borrow_share=borrow_share, draft_borrow_share=draft_share)

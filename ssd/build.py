@@ -41,15 +41,18 @@ def draft_headroom(cfg: Config) -> int:
 
 
 def make_mode(
-    cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, vocab_size: int, borrow: bool = False
+    cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, vocab_size: int, borrow: bool = False,
+    draft_borrow: bool = False,
 ) -> Mode:
-    """The decoding mode for `cfg`; `borrow`: the target can borrow the draft's cores (auto only)."""
+    """The decoding mode for `cfg`; `borrow`: the target can borrow the draft's cores, `draft_borrow`: the
+    draft the target's (auto only)."""
     borrow = borrow and cfg.mode == "auto"
+    draft_borrow = draft_borrow and cfg.mode == "auto"
     tuner: KTuner | None = None
     ssd_tuner: SSDTuner | None = None
     ac: AutoConfig | None = None
     if cfg.k is None and draft is not None and cfg.mode in ("sd", "ssd", "auto"):
-        ac = autoconfigure(target, draft, ssd=cfg.mode != "sd", borrow=borrow)
+        ac = autoconfigure(target, draft, ssd=cfg.mode != "sd", borrow=borrow, draft_borrow=draft_borrow)
         cfg.k = ac.k
         if cfg.mode == "sd":
             tuner = KTuner(t_verify=ac.t_verify, t_draft1=ac.t_draft1)
@@ -68,11 +71,14 @@ def make_mode(
     mode = SSDMode(
         target, draft, k, make_fanout_planner(cfg, k), backup=cfg.backup,
         allowed=policy_options(cfg.mode, cfg.backup), vocab_size=vocab_size, ngram_max=cfg.ngram_max,
-        tuner=ssd_tuner, borrow=borrow,
+        tuner=ssd_tuner, borrow=borrow, draft_borrow=draft_borrow,
     )
     if ac is not None:  # the policy starts from this machine's latencies
         spec = spec_time(ac.t_chain, ac.t_draft, ac.k, ac.budget)
-        mode.cost.seed(ac.t_verify, draft_step=ac.t_draft[1], speculate=spec, feed=feed_time(ac.t_chain))
+        draft_lend = ac.draft_borrow_share or 1.0  # just-in-time drafts run on borrowed cores where they can
+        mode.cost.seed(ac.t_verify, draft_step=ac.t_draft[1] * draft_lend, speculate=spec,
+                       feed=feed_time(ac.t_chain))
+        mode.cost.draft_lend = draft_lend
         if ac.borrow_share is not None:
             mode.cost.enable_borrow(ac.borrow_share)
     return mode
@@ -129,7 +135,9 @@ def _assemble(
     cfg: Config, target: WorkerHandle, draft: WorkerHandle | None, info: dict, tokenizer: Any,
     handles: list[WorkerHandle],
 ) -> tuple[Engine, list[WorkerHandle], Any]:
-    mode = make_mode(cfg, target, draft, info["vocab_size"], borrow=bool(info.get("borrow_threads")))
+    draft_borrow = draft is not None and bool(draft.call("info").result().get("borrow_threads"))
+    mode = make_mode(cfg, target, draft, info["vocab_size"], borrow=bool(info.get("borrow_threads")),
+                     draft_borrow=draft_borrow)
     eos = list(info["eos_token_ids"])
     if tokenizer is not None:
         eos = sorted(set(eos) | set(tokenizer.eos_token_ids))

@@ -43,8 +43,9 @@ class Config:
     target_cores: list[int] | None = None
     draft_cores: list[int] | None = None
     # mode="auto" on CPU with target and draft pinned to their own cores: in rounds where the draft has
-    # nothing to do (AR, SD verification, n-gram) the target also computes on the draft's cores.
-    borrow_draft_cores: bool = True
+    # nothing to do (AR, SD verification, n-gram) the target also computes on the draft's cores, and
+    # while the target waits for a just-in-time draft (SD, a neural backup) the draft on the target's.
+    core_loans: bool = True
     use_ray: bool | None = None  # default: True for ssd/auto (draft on its own process), else False
     ray_address: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

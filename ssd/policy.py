@@ -117,6 +117,10 @@ class CostModel:
     # of verification on its own, for the options that leave the draft idle (AR, SD, n-gram). None:
     # no borrowing.
     borrow: RateEma | None = None
+    # Where the draft may borrow the target's cores for just-in-time drafts: a draft forward on both as a
+    # share of one on its own (measured at start-up). draft_step is then observed on both cores already;
+    # this prices the backlog those drafts feed, which `feed` measures on the draft's own cores.
+    draft_lend: float = 1.0
 
     def seed(
         self, t_verify: dict[int, float], draft_step: float | None = None, speculate: float | None = None,
@@ -286,14 +290,15 @@ def choose(
          for o in OPTIONS}
     h = SWITCH_HORIZON
     backlog = lag * cost.feed.value  # the draft's first forward feeds the tokens it has not seen
+    lent_backlog = backlog * cost.draft_lend  # ... in a just-in-time draft (SD, SSD's catch-up)
     catch_up = t_draft if prepared < 1.0 else 0.0  # one batched just-in-time draft for the unprepared
     share_fast = cost.share_primary(k, "fast")
     steady_fast = share_fast * e_sd + (1 - share_fast) * e_fast  # tokens per sequence and round
     first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
     scores = {
         "ar": t["ar"] / batch,
-        "sd": (t["sd"] + backlog / h) / (batch * e_sd),
-        "ssd_neural": (t["ssd_neural"] + (catch_up + backlog) / h) / (batch * e_sd),
+        "sd": (t["sd"] + lent_backlog / h) / (batch * e_sd),
+        "ssd_neural": (t["ssd_neural"] + (catch_up + lent_backlog) / h) / (batch * e_sd),
         "ssd_fast": (h * t["ssd_fast"] + backlog) / (batch * (first_fast + (h - 1) * steady_fast)),
         "ngram": t["ngram"] / (batch * expected_tokens(a_ngram, k_ngram)),
     }

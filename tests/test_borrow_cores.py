@@ -1,4 +1,5 @@
-"""The target borrowing the draft's cores in rounds where the draft idles (mode="auto" on CPU)."""
+"""Core loans (mode="auto" on CPU): the target borrows the draft's cores in rounds where the draft idles,
+the draft the target's while the target waits for a just-in-time draft."""
 
 import os
 
@@ -12,6 +13,7 @@ from ssd.config import Config
 from ssd.launch.placement import plan_placement
 from ssd.policy import CostModel, Ema, RateEma, choose, expected_tokens
 from ssd.workers.base import CoreLoan
+from ssd.workers.draft_worker import DraftWorker
 from ssd.workers.messages import Draft, SamplingSpec
 from ssd.workers.target_worker import TargetWorker
 
@@ -81,15 +83,46 @@ def test_borrowing_without_spare_cores_is_an_error():
     assert worker.info()["borrow_threads"] == 0
 
 
-def test_placement_lends_the_draft_cores_to_the_target_only_in_auto():
+def test_placement_lends_cores_both_ways_only_in_auto():
     cores = [0, 1]
     plan = plan_placement(Config(target="t", draft="d", mode="auto"), cores)
-    assert (plan.target.cpu_cores, plan.target.spare_cores, plan.draft.cpu_cores) == ([0], [1], [1])
-    assert plan.target.num_threads == 1  # its own thread count; the loan adds the rest per call
-    for cfg in (Config(target="t", draft="d", mode="ssd"), Config(target="t", draft="d", borrow_draft_cores=False),
+    assert (plan.target.cpu_cores, plan.target.spare_cores, plan.draft.cpu_cores, plan.draft.spare_cores) == (
+        [0], [1], [1], [0])
+    assert plan.target.num_threads == plan.draft.num_threads == 1  # own thread counts; a loan adds the rest per call
+    for cfg in (Config(target="t", draft="d", mode="ssd"), Config(target="t", draft="d", core_loans=False),
                 Config(target="t", draft="d", mode="auto", target_cores=[0, 1], draft_cores=[0, 1])):
-        assert plan_placement(cfg, cores).target.spare_cores is None
-    assert plan_placement(Config(target="t", draft="d", mode="auto"), [0]).target.spare_cores is None  # shared core
+        plan = plan_placement(cfg, cores)
+        assert plan.target.spare_cores is None and plan.draft.spare_cores is None
+    shared = plan_placement(Config(target="t", draft="d", mode="auto"), [0])  # one core: nothing to lend
+    assert shared.target.spare_cores is None and shared.draft.spare_cores is None
+
+
+@two_cores
+def test_a_borrowed_draft_proposes_on_both_cores_with_the_same_tokens_and_q(restore_cpu_state):
+    """The draft's just-in-time drafts on the target's core too: 2 threads, the same tokens and q (the
+    kernels split output rows between threads), and its own core and thread count afterwards."""
+    model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=2, seed=11)
+    worker = DraftWorker(model, dtype="float32", quantization="w4a8", max_slots=2, max_len=64,
+                         cpu_cores=CORES[1:2], spare_cores=CORES[:1])
+    seen: list[tuple[int, set[int]]] = []
+    forward = worker.runner.forward
+
+    def spy(*args, **kwargs):
+        seen.append((torch.get_num_threads(), os.sched_getaffinity(0)))
+        return forward(*args, **kwargs)
+
+    worker.runner.forward = spy
+    out = {}
+    for seq_id, borrow in ((0, False), (1, True)):
+        worker.add(seq_id, [3, 9, 4, 1, 7], SamplingSpec(temperature=0.8, seed=5))
+        seen.clear()
+        drafts, qs = worker.propose([(seq_id, 4)], borrow=borrow)
+        assert seen == [(2 if borrow else 1, set(CORES[:2] if borrow else CORES[1:2]))] * 4
+        out[borrow] = (drafts[0].tokens, qs[0])
+    assert out[False][0] == out[True][0] and torch.equal(out[False][1], out[True][1])
+    assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == set(CORES[1:2])
+    with pytest.raises(ValueError, match="no cores to borrow"):
+        DraftWorker(model, dtype="float32", max_slots=1, max_len=32).propose([], borrow=True)
 
 
 def test_policy_prices_rounds_that_leave_the_draft_idle_on_borrowed_cores():
@@ -114,23 +147,27 @@ def test_policy_prices_rounds_that_leave_the_draft_idle_on_borrowed_cores():
         CostModel().observe_verify(4, 0.1, borrowed=True)
 
 
-def lend_draft_core(llm: LLM):
-    """The in-process target borrows the other core, as the placement arranges for `auto` on CPU."""
+def lend_cores(llm: LLM):
+    """The in-process target and draft each borrow the other's core, as the placement arranges for `auto`
+    on CPU."""
     mode = llm.engine.mode
     own = sorted(os.sched_getaffinity(0))[:1]
-    mode.target.worker.loan = CoreLoan(own, [c for c in CORES if c not in own][:1])
-    mode.borrow = True
+    other = [c for c in CORES if c not in own][:1]
+    mode.target.worker.loan = CoreLoan(own, other)
+    mode.draft.worker.loan = CoreLoan(other, own)
+    mode.borrow = mode.draft_borrow = True
     mode.cost.enable_borrow()
     return mode
 
 
 @two_cores
 def test_auto_borrows_in_idle_draft_rounds_and_stays_exact(models, ar_outputs, monkeypatch):
-    """AR, SD and n-gram rounds verify on borrowed cores and keep the draft's commits lazy; SSD rounds
-    never borrow (the draft speculates meanwhile); greedy output still equals AR."""
-    cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ar", "ssd_fast", "sd", "ar"])
+    """AR, SD and n-gram rounds verify on borrowed cores and keep the draft's commits lazy; SSD rounds'
+    verifications never borrow (the draft speculates meanwhile). Just-in-time drafts (SD, catch-ups, the
+    neural backup's) run on the target's core too; speculation never does. Greedy output still equals AR."""
+    cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ar", "ssd_fast", "sd", "ar", "ssd_neural", "ssd_neural"])
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=4, max_len=128) as llm:
-        mode = lend_draft_core(llm)
+        mode = lend_cores(llm)
         calls: list[tuple[str, tuple]] = []
         for name, handle in (("target", mode.target), ("draft", mode.draft)):
             real = handle.call
@@ -148,6 +185,10 @@ def test_auto_borrows_in_idle_draft_rounds_and_stays_exact(models, ar_outputs, m
     assert len(borrowed) == policy["ar"] + policy["sd"] + policy["ngram"] > 0
     assert len(own_cores) == policy["ssd_neural"] + policy["ssd_fast"] > 0
     assert not any(a[2] for m, a in calls if m == "draft.commit")  # lazy: the target has the draft's core
+    proposes = [a for m, a in calls if m == "draft.propose"]
+    assert proposes and all(a[2] is True for a in proposes)
+    resolves = [a for m, a in calls if m == "draft.resolve"]
+    assert {a[1] for a in resolves} == {True, False} and all(a[3] is a[1] for a in resolves)  # borrow iff neural
 
 
 def test_exploration_while_borrowing_stays_with_options_that_need_no_catch_up(models):
@@ -181,6 +222,53 @@ def test_policy_prices_the_draft_backlog_of_borrowed_rounds():
     assert lagged["ssd_fast"] > base["ssd_fast"]
     assert lagged["ar"] == base["ar"] and lagged["ngram"] == base["ngram"]
     assert min(base, key=base.get) != "ar" and best == "ar"  # a long backlog keeps the policy on AR
+    # Where just-in-time drafts borrow the target's cores, SD and the neural catch-up feed the backlog at
+    # the borrowed speed; the fast backup leaves it to speculation on the draft's own cores.
+    c.draft_lend = 0.5
+    _, lent = choose(c, 1, 3, prepared=0.0, lag=50)
+    assert lent["sd"] == pytest.approx(base["sd"] + 0.5 * backlog / e_sd)
+    assert lent["ssd_neural"] == pytest.approx(base["ssd_neural"] + 0.5 * backlog / e_sd)
+    assert lent["ssd_fast"] == lagged["ssd_fast"] and lent["ar"] == base["ar"]
+
+
+class TimedHandle:
+    """A worker handle whose time_forward answers from a formula (seconds), halved on borrowed cores."""
+
+    def __init__(self, per_token: float, fixed: float) -> None:
+        self.per_token, self.fixed, self.borrowed = per_token, fixed, []
+
+    def call(self, method, n, context=128, tree=False, reps=3, borrow=False):
+        from concurrent.futures import Future
+
+        assert method == "time_forward"
+        self.borrowed.append(borrow)
+        f: Future = Future()
+        f.set_result((self.fixed + self.per_token * n) * (0.5 if borrow else 1.0))
+        return f
+
+
+def test_make_mode_seeds_just_in_time_drafts_at_the_borrowed_speed():
+    from ssd.build import make_mode
+
+    def built(borrow: bool, draft_borrow: bool):
+        target, draft = TimedHandle(0.03, 0.05), TimedHandle(0.004, 0.02)
+        mode = make_mode(Config(target="t", draft="d", mode="auto"), target, draft, 64, borrow=borrow,
+                         draft_borrow=draft_borrow)
+        return mode, target, draft
+
+    own, _, d_own = built(False, False)
+    lent, t_lent, d_lent = built(True, True)
+    assert not any(d_own.borrowed) and any(d_lent.borrowed) and any(t_lent.borrowed)
+    assert (lent.borrow, lent.draft_borrow, own.draft_borrow) == (True, True, False)
+    assert lent.cost.draft_lend == pytest.approx(0.5) and own.cost.draft_lend == 1.0
+    assert lent.cost.draft_step.value == pytest.approx(0.5 * own.cost.draft_step.value)
+    assert lent.cost.borrow_factor() == pytest.approx(0.5)
+    assert lent.cost.speculate.value == own.cost.speculate.value  # speculation stays on the draft's own core
+    # mode="ssd" never lends, whatever the workers could do.
+    d_ssd = TimedHandle(0.004, 0.02)
+    ssd = make_mode(Config(target="t", draft="d", mode="ssd"), TimedHandle(0.03, 0.05), d_ssd, 64, borrow=True,
+                    draft_borrow=True)
+    assert not ssd.borrow and not ssd.draft_borrow and not any(d_ssd.borrowed) and ssd.cost.draft_lend == 1.0
 
 
 def test_borrowed_rounds_count_the_draft_backlog_until_a_draft_round_feeds_it(models, ar_outputs, monkeypatch):
@@ -278,7 +366,7 @@ def test_auto_prefills_the_rest_of_a_prompt_on_borrowed_cores_and_stays_exact(mo
         expected = [o.token_ids for o in llm.generate(LONG_PROMPTS, GREEDY)]
     cycle_policy(monkeypatch, ["ngram", "ar", "ssd_neural", "sd"])
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=128) as llm:
-        mode = lend_draft_core(llm)
+        mode = lend_cores(llm)
         mode.cost.feed, mode.cost.v1 = Ema(0.004, n=1), Ema(0.012, n=1)
         calls: list[tuple[str, tuple]] = []
         real = mode.target.call

@@ -244,12 +244,12 @@ def test_gpu_layout(monkeypatch):
 
 
 def test_borrow_flag():
-    """--no-borrow-draft-cores keeps auto's target on its own cores; without it the Config default holds."""
+    """--no-core-loans keeps auto's target on its own cores; without it the Config default holds."""
     from ssd.launch.cli import config_kwargs, serve_parser
 
     def kw(*argv: str) -> dict:
         return config_kwargs(serve_parser().parse_args(list(argv)))
 
-    assert "borrow_draft_cores" not in kw("--target", "qwen-coder-1.5b", "--draft", "qwen-coder-0.5b")
+    assert "core_loans" not in kw("--target", "qwen-coder-1.5b", "--draft", "qwen-coder-0.5b")
     assert kw("--target", "qwen-coder-1.5b", "--draft", "qwen-coder-0.5b",
-              "--no-borrow-draft-cores")["borrow_draft_cores"] is False
+              "--no-core-loans")["core_loans"] is False

@@ -118,7 +118,7 @@ class ModelWorker:
         # spare_cores: another worker's cores this one may borrow while that worker is idle (CPU only).
         self.loan = CoreLoan(cpu_cores or [], spare_cores) if spare_cores else None
         if self.loan is not None and device != "cpu":
-            raise ValueError("spare_cores (borrowing the draft's cores) is for CPU workers")
+            raise ValueError("spare_cores (borrowing another worker's cores) is for CPU workers")
         self.device = device
         self.linear_kernel = linear_kernel
         self.model, self.tokenizer = self.load_model(model, parse_dtype(dtype), device, quantization)

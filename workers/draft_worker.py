@@ -176,12 +176,20 @@ class DraftWorker(ModelWorker):
 
     # -- plain SD ----------------------------------------------------------------------------
     def propose(
-        self, requests: list[tuple[int, int]], fanout: list[list[int]] | None = None
+        self, requests: list[tuple[int, int]], fanout: list[list[int]] | None = None, borrow: bool = False
     ) -> tuple[list[Draft], list[torch.Tensor | None]]:
         """Draft k tokens for each (seq_id, k). Returns drafts and, for sampled rows, q [k, V].
 
-        fanout[b] (optional, SSD) is the next round's F_0..F_K, used for Saguaro sampling.
+        fanout[b] (optional, SSD) is the next round's F_0..F_K, used for Saguaro sampling. `borrow`: also
+        compute on the target's cores (`spare_cores`), which the coordinator asks for only while the
+        target waits for this draft.
         """
+        with self._cores(borrow):
+            return self._propose(requests, fanout)
+
+    def _propose(
+        self, requests: list[tuple[int, int]], fanout: list[list[int]] | None
+    ) -> tuple[list[Draft], list[torch.Tensor | None]]:
         t0 = time.perf_counter()
         states = [self.dseqs[sid] for sid, _ in requests]
         for st in states:
@@ -335,9 +343,11 @@ class DraftWorker(ModelWorker):
         outcomes: list[tuple[int, int, list[int], int]],
         neural_backup: bool,
         fanout: list[list[int]] | None = None,
+        borrow: bool = False,
     ) -> list[Resolution]:
         """For each (seq_id, k accepted, emitted tokens, k_next): take the prepared speculation on a
-        hit; on a miss, draft just-in-time if neural_backup, else leave it to a fast backup."""
+        hit; on a miss, draft just-in-time if neural_backup (on the target's cores too if `borrow`: the
+        target has verified and waits), else leave it to a fast backup."""
         res: list[Resolution] = []
         misses: list[tuple[int, int]] = []
         for seq_id, k, emitted, k_next in outcomes:
@@ -371,7 +381,7 @@ class DraftWorker(ModelWorker):
         if neural_backup and misses:
             idx = {sid: i for i, (sid, _) in enumerate(misses)}
             fo = None if fanout is None else [fanout[i] for i, r in enumerate(res) if not r.hit]
-            drafts, qs = self.propose(misses, fo)
+            drafts, qs = self.propose(misses, fo, borrow)
             for r in res:
                 if not r.hit:
                     i = idx[r.seq_id]

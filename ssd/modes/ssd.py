@@ -55,11 +55,15 @@ class SSDMode(DraftBackedMode):
         ngram_max: int = 4,
         tuner: SSDTuner | None = None,
         borrow: bool = False,
+        draft_borrow: bool = False,
     ) -> None:
         super().__init__(target, draft, k)
         # The target may borrow the draft's cores (CPU, mode="auto"): in AR, SD and n-gram rounds the
         # draft has nothing to do, so those verifications run on both, and the draft's commits stay lazy.
         self.borrow = borrow
+        # The other way round: just-in-time drafts (SD rounds, catch-ups, the neural backup after a
+        # miss) run while the target waits for them, so the draft computes on the target's cores too.
+        self.draft_borrow = draft_borrow
         self.planner = planner
         self.tuner = tuner  # when K and B were auto-configured: re-chosen every round
         self.backup = backup
@@ -220,7 +224,8 @@ class SSDMode(DraftBackedMode):
         elif missing:  # just-in-time neural drafts (first round, or after an SD / AR round)
             t0 = time.perf_counter()
             fo = [self.planner.plan(s.seq_id, "primary") for s in missing]
-            drafts, qs = self._draft_call("propose", [(s.seq_id, self.draft_len(s)) for s in missing], fo)
+            drafts, qs = self._draft_call("propose", [(s.seq_id, self.draft_len(s)) for s in missing], fo,
+                                          self.draft_borrow)
             dt = time.perf_counter() - t0
             self.stats.draft_s += dt
             self.cost.draft_step.update(dt / max(1, max(len(d.tokens) for d in drafts)))
@@ -351,7 +356,8 @@ class SSDMode(DraftBackedMode):
             resolve_in.append((s.seq_id, o.num_accepted, o.tokens, k_next))
         fo = [self.planner.plan(s.seq_id, "primary") for s in seqs]
         try:
-            resolutions = self.draft.call("resolve", resolve_in, neural, fo).result()
+            # The target has verified: a neural backup's just-in-time draft may use its cores too.
+            resolutions = self.draft.call("resolve", resolve_in, neural, fo, neural and self.draft_borrow).result()
         except WorkerDied as e:
             self._draft_lost(e)
             raise DraftLost(drafts, outcomes) from e
