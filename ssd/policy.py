@@ -236,6 +236,19 @@ def best_draft_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
     return min(range(1, k_max + 1), key=lambda k: cost.verify_time(batch * (k + 1)) / expected_tokens(a, k))
 
 
+def best_sd_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
+    """Plain SD's draft length (1..k_max) with the fewest expected seconds per token: k draft steps on the
+    critical path, then one verification of k + 1 tokens per sequence. SSD's K fits its speculation
+    inside a verification; with cheap just-in-time drafts (the draft on both cores) SD's best is longer
+    (session 17, raw HumanEval: SD mode's tuner took K = 5 where SSD's took 3)."""
+    lend = cost.borrow_factor()
+
+    def per_token(k: int) -> float:
+        return (k * cost.draft_step.value + lend * cost.verify_time(batch * (k + 1))) / expected_tokens(a, k)
+
+    return min(range(1, k_max + 1), key=per_token)
+
+
 def round_seconds(cost: CostModel, option: str, batch: int, k: int, k_ngram: int | None = None,
                   missed: float = 0.0) -> float:
     """Modelled seconds of one steady round of `option` (what calibration compares measured rounds with).
@@ -262,6 +275,7 @@ def choose(
     prepared: float = 1.0,
     current: str | None = None,
     lag: int = 0,
+    k_sd: int | None = None,
 ) -> tuple[str, dict[str, float]]:
     """Return the option with the lowest expected seconds per emitted token, and all the scores
     (each option's modelled round time calibrated by its measured / modelled round times).
@@ -277,17 +291,19 @@ def choose(
     one cheaper by SWITCH_MARGIN, is taken.
     `lag`: tokens the draft has not been fed yet (rounds on borrowed cores leave it idle). SD and SSD
     feed them first, a one-off cost spread over the switch horizon like the catch-up draft.
+    `k_sd`: plain SD's draft length if it differs from k (see `best_sd_len`).
     """
     a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.hit_rate(k)
     e_sd = expected_tokens(a, k)
+    k_sd = k if k_sd is None else k_sd
     e_fast = expected_tokens(a_fast, k)
     t_draft = k * cost.draft_step.value
     share_neural = cost.share_primary(k, "neural")
     hit_neural = share_neural * p + (1 - share_neural) * cost.hit_after_neural.value
     all_hit = hit_neural**batch  # one miss stalls the whole batch
     a_ngram, k_ngram = ngram if ngram is not None else (a_fast, k)
-    t = {o: round_seconds(cost, o, batch, k, k_ngram, missed=1 - all_hit) * cost.calibration_factor(o)
-         for o in OPTIONS}
+    t = {o: round_seconds(cost, o, batch, k_sd if o == "sd" else k, k_ngram, missed=1 - all_hit)
+         * cost.calibration_factor(o) for o in OPTIONS}
     h = SWITCH_HORIZON
     backlog = lag * cost.feed.value  # the draft's first forward feeds the tokens it has not seen
     lent_backlog = backlog * cost.draft_lend  # ... in a just-in-time draft (SD, SSD's catch-up)
@@ -297,7 +313,7 @@ def choose(
     first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
     scores = {
         "ar": t["ar"] / batch,
-        "sd": (t["sd"] + lent_backlog / h) / (batch * e_sd),
+        "sd": (t["sd"] + lent_backlog / h) / (batch * expected_tokens(a, k_sd)),
         "ssd_neural": (t["ssd_neural"] + (catch_up + lent_backlog) / h) / (batch * e_sd),
         "ssd_fast": (h * t["ssd_fast"] + backlog) / (batch * (first_fast + (h - 1) * steady_fast)),
         "ngram": t["ngram"] / (batch * expected_tokens(a_ngram, k_ngram)),

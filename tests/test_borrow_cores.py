@@ -278,7 +278,7 @@ def test_borrowed_rounds_count_the_draft_backlog_until_a_draft_round_feeds_it(mo
 
     order, lags = itertools.cycle(["ar", "ar", "ngram", "ssd_neural", "ar", "sd"]), []
 
-    def fake_choose(cost, batch, k, allowed, ngram=None, prepared=1.0, current=None, lag=0, p_model=None):
+    def fake_choose(cost, batch, k, allowed, ngram=None, prepared=1.0, current=None, lag=0, k_sd=None):
         lags.append(lag)
         return next(order), dict.fromkeys(allowed, 1.0)
 

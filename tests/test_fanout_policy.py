@@ -388,3 +388,58 @@ def test_leaving_a_ready_ssd_pipeline_needs_a_clear_margin(ratio, kept):
     best = choose(c, batch=1, k=3, allowed=allowed, current="ssd_fast")[0]
     assert best == ("ssd_fast" if kept else "ar")
     assert policy.SWITCH_MARGIN == 0.9
+
+
+def test_plain_sd_option_prices_and_drafts_its_own_length():
+    """With cheap draft steps and a well-accepted draft, SD's best draft is longer than SSD's K; choose()
+    prices SD at that length (the minimum of its seconds per token), and the other options at K."""
+    from ssd.policy import best_sd_len
+
+    c = CostModel()
+    c.v0, c.v1, c.draft_step = Ema(0.05), Ema(0.004), Ema(0.006)
+    c.acceptance = policy.RateEma(0.85)
+
+    def per_token(k: int) -> float:
+        return (k * 0.006 + c.verify_time(k + 1)) / expected_tokens(0.85, k)
+
+    k_sd = best_sd_len(c, 0.85, 1, 8)
+    assert k_sd > 3 and per_token(k_sd) == min(per_token(k) for k in range(1, 9))
+    _, at_k = choose(c, 1, 3)
+    _, own = choose(c, 1, 3, k_sd=k_sd)
+    assert own["sd"] == pytest.approx(per_token(k_sd)) and own["sd"] < at_k["sd"]
+    assert {o: s for o, s in own.items() if o != "sd"} == {o: s for o, s in at_k.items() if o != "sd"}
+    c.draft_step, c.acceptance = Ema(0.05), policy.RateEma(0.4)  # slow, rarely accepted drafts: short ones
+    assert best_sd_len(c, 0.4, 1, 8) < 3
+    c.enable_borrow(0.5)  # cheaper verification on borrowed cores moves the balance towards longer drafts
+    assert best_sd_len(c, 0.4, 1, 8) >= best_sd_len(CostModel(v0=c.v0, v1=c.v1, draft_step=c.draft_step), 0.4, 1, 8)
+
+
+@pytest.mark.parametrize("fixed_k", [None, 3])
+def test_auto_sd_rounds_draft_the_sd_length_and_stay_exact(models, ar_outputs, monkeypatch, fixed_k):
+    """Where K is auto-configured, auto's SD rounds draft best_sd_len's length (SSD rounds keep K); a K
+    the user fixed holds for SD rounds too. Greedy output equals AR either way."""
+    from test_ssd_engine import cycle_policy
+    from tiny_models import GREEDY, PROMPTS
+
+    import ssd.modes.ssd as ssd_mode
+    from ssd import LLM
+
+    cycle_policy(monkeypatch, ["sd", "sd", "ssd_neural", "sd"])
+    monkeypatch.setattr(ssd_mode, "best_sd_len", lambda cost, a, batch, k_max: 7)  # 7: no SSD K choice
+    with LLM(target=models[0], draft=models[1], mode="auto", k=fixed_k, dtype="float32", max_batch=1,
+             max_len=160) as llm:
+        mode = llm.engine.mode
+        lens: list[int] = []
+        real = mode.draft.call
+
+        def spy(method, *args):
+            if method == "propose" and mode.last_choice == "sd":
+                lens.extend(n for _, n in args[0])
+            return real(method, *args)
+
+        monkeypatch.setattr(mode.draft, "call", spy)
+        outs = llm.generate(PROMPTS[:2], GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs[:2]
+        want = 7 if fixed_k is None else fixed_k
+        assert lens and max(lens) == want and set(lens) <= set(range(want + 1))
+        assert (mode.tuner is None) == (fixed_k is not None)

@@ -18,7 +18,7 @@ from ssd.autoconfig import SSDTuner
 from ssd.fanout import FanoutPlanner
 from ssd.handles import WorkerDied, WorkerHandle
 from ssd.modes.recovery import DraftBackedMode
-from ssd.policy import CostModel, Ema, acceptance_counts, best_draft_len, choose, round_seconds
+from ssd.policy import CostModel, Ema, acceptance_counts, best_draft_len, best_sd_len, choose, round_seconds
 from ssd.sequence import Sequence
 from ssd.workers.draft_worker import SpecRequest
 from ssd.workers.messages import Draft, Outcome
@@ -36,6 +36,7 @@ class DraftLost(Exception):
 EXPLORE_EVERY = 16  # rounds between re-measurements of a runner-up option
 EXPLORE_WITHIN = 1.5  # only options scored within this factor of the best are re-measured
 NGRAM_K_MAX = 8  # longest n-gram draft: a long match is accepted nearly always, and a lookup costs nothing
+SD_K_MAX = 8  # longest plain SD draft when K is auto-configured
 PREFILL_SPLIT_MIN = 32  # shorter prompts prefill in one piece: a second call would cost more than it saves
 
 
@@ -83,6 +84,7 @@ class SSDMode(DraftBackedMode):
         self._rounds_since_explore = 0
         self._last_tried: dict[str, int] = {}
         self._ngram_k = k  # this round's n-gram draft length (policy)
+        self._sd_k = k  # this round's plain SD draft length (policy; K itself where the user fixed it)
         self._lookups: dict[int, tuple[list[int], int]] = {}  # this round's lookups: seq_id -> (tokens, match)
         self._match: dict[int, int] = {}  # seq_id -> suffix length the current n-gram draft matched
         self._prepared = 1.0  # share of this round's sequences whose speculation was ready
@@ -138,8 +140,11 @@ class SSDMode(DraftBackedMode):
             self._prepared = prepared
             lag = max(self._lag.get(s.seq_id, 0) for s in seqs)
             self._round_k, self._round_lag = self.k, lag
+            self._sd_k = self.k
+            if self.tuner is not None and "sd" in self.allowed:
+                self._sd_k = best_sd_len(self.cost, self.cost.acceptance.value, len(seqs), SD_K_MAX)
             choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared,
-                                              current=self.last_choice or None, lag=lag)
+                                              current=self.last_choice or None, lag=lag, k_sd=self._sd_k)
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up (from a
             # ready SSD pipeline only the other SSD option, which keeps the prepared speculation).
             self._rounds_since_explore += 1
@@ -171,7 +176,8 @@ class SSDMode(DraftBackedMode):
             return
         if self._round_lag and choice not in ("ar", "ngram"):
             return
-        predicted = round_seconds(self.cost, choice, len(seqs), self._round_k, self._ngram_k, missed=self._missed)
+        k = self._sd_k if choice == "sd" else self._round_k
+        predicted = round_seconds(self.cost, choice, len(seqs), k, self._ngram_k, missed=self._missed)
         self.cost.observe_round(choice, predicted, seconds)
 
     def _ngram_plan(self, seqs: list[Sequence]) -> tuple[float, int]:
@@ -224,7 +230,8 @@ class SSDMode(DraftBackedMode):
         elif missing:  # just-in-time neural drafts (first round, or after an SD / AR round)
             t0 = time.perf_counter()
             fo = [self.planner.plan(s.seq_id, "primary") for s in missing]
-            drafts, qs = self._draft_call("propose", [(s.seq_id, self.draft_len(s)) for s in missing], fo,
+            lens = [max(0, min(self._sd_k, s.remaining - 1)) if choice == "sd" else self.draft_len(s) for s in missing]
+            drafts, qs = self._draft_call("propose", [(s.seq_id, n) for s, n in zip(missing, lens)], fo,
                                           self.draft_borrow)
             dt = time.perf_counter() - t0
             self.stats.draft_s += dt
