@@ -88,7 +88,11 @@ class CostModel:
 
     v0: Ema = field(default_factory=lambda: Ema(0.05))
     v1: Ema = field(default_factory=lambda: Ema(0.002))
+    # A just-in-time draft of k steps: t_d(k) = draft_call + k * draft_step. The intercept takes what a call
+    # costs besides its forwards (the RPC, the core loan's switch): fitted as dt / k, it made one-token
+    # drafts look 1.5x dearer per step and kept auto's SD rounds at k = 1 (session 17).
     draft_step: Ema = field(default_factory=lambda: Ema(0.02))  # one batched draft forward
+    draft_call: Ema = field(default_factory=lambda: Ema(0.0))
     speculate: Ema = field(default_factory=lambda: Ema(0.08))  # SSD draft work for one round
     feed: Ema = field(default_factory=lambda: Ema(0.003))  # a draft forward's cost per extra token fed
     acceptance: RateEma = field(default_factory=lambda: RateEma(0.7, RATE_ALPHA))  # per-token, neural draft
@@ -206,6 +210,20 @@ class CostModel:
     def borrow_factor(self) -> float:
         return 1.0 if self.borrow is None else self.borrow.value
 
+    def draft_time(self, k: int) -> float:
+        """Seconds of a just-in-time draft of k steps (0 for no draft)."""
+        return self.draft_call.value + k * self.draft_step.value if k > 0 else 0.0
+
+    def observe_draft(self, k: int, seconds: float) -> None:
+        """A just-in-time draft of k steps took `seconds` (one that fed no backlog): the residual moves the
+        intercept, and the slope only for k > 1, so one-step drafts cannot inflate the per-step cost."""
+        if k <= 0:
+            return
+        err = seconds - self.draft_time(k)
+        self.draft_call.update(max(0.0, self.draft_call.value + 0.5 * err))
+        if k > 1:
+            self.draft_step.update(max(1e-6, self.draft_step.value + 0.5 * err / k))
+
     def verify_time(self, n_tokens: int) -> float:
         return max(self.v0.value + self.v1.value * n_tokens, 1e-6)
 
@@ -244,7 +262,7 @@ def best_sd_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
     lend = cost.borrow_factor()
 
     def per_token(k: int) -> float:
-        return (k * cost.draft_step.value + lend * cost.verify_time(batch * (k + 1))) / expected_tokens(a, k)
+        return (cost.draft_time(k) + lend * cost.verify_time(batch * (k + 1))) / expected_tokens(a, k)
 
     return min(range(1, k_max + 1), key=per_token)
 
@@ -255,7 +273,7 @@ def round_seconds(cost: CostModel, option: str, batch: int, k: int, k_ngram: int
     `missed`: for neural SSD, the chance (or the fact) that a sequence missed, which costs a draft."""
     lend = cost.borrow_factor()  # AR, SD and n-gram verify on borrowed cores where the target can
     t_ver = cost.verify_time(batch * (k + 1))
-    t_draft = k * cost.draft_step.value
+    t_draft = cost.draft_time(k)
     if option == "ar":  # one token per sequence per target step
         return lend * cost.verify_time(batch)
     if option == "sd":  # the draft runs before the target, on the critical path
@@ -297,7 +315,7 @@ def choose(
     e_sd = expected_tokens(a, k)
     k_sd = k if k_sd is None else k_sd
     e_fast = expected_tokens(a_fast, k)
-    t_draft = k * cost.draft_step.value
+    t_draft = cost.draft_time(k)
     share_neural = cost.share_primary(k, "neural")
     hit_neural = share_neural * p + (1 - share_neural) * cost.hit_after_neural.value
     all_hit = hit_neural**batch  # one miss stalls the whole batch

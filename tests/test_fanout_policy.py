@@ -443,3 +443,23 @@ def test_auto_sd_rounds_draft_the_sd_length_and_stay_exact(models, ar_outputs, m
         want = 7 if fixed_k is None else fixed_k
         assert lens and max(lens) == want and set(lens) <= set(range(want + 1))
         assert (mode.tuner is None) == (fixed_k is not None)
+
+
+def test_just_in_time_drafts_fit_a_line_so_one_step_drafts_do_not_inflate_the_step():
+    """A draft call costs an intercept (RPC, the core loan's switch) plus k forwards: one-step drafts move
+    only the intercept, longer ones the slope too, and a series of both recovers the line."""
+    c = CostModel()
+    c.draft_step, c.draft_call = Ema(0.015), Ema(0.0)
+    for _ in range(200):
+        c.observe_draft(1, 0.010 + 0.015)  # 10 ms of overhead per call, 15 ms per step
+    assert c.draft_step.value == 0.015 and c.draft_call.value == pytest.approx(0.010, abs=1e-4)
+    for _ in range(400):
+        for k, n in ((1, 0.010 + 0.015), (4, 0.010 + 4 * 0.020)):  # the steps got slower
+            c.observe_draft(k, n)
+    assert c.draft_time(4) == pytest.approx(0.090, rel=0.05) and c.draft_time(1) == pytest.approx(0.025, rel=0.15)
+    assert c.draft_time(0) == 0.0
+    # Priced as a line, the one-step overhead no longer makes every extra step look as dear as the first.
+    c.v0, c.v1 = Ema(0.05), Ema(0.004)
+    c.draft_step, c.draft_call = Ema(0.015), Ema(0.010)
+    per_step_only = CostModel(v0=c.v0, v1=c.v1, draft_step=Ema(0.025))
+    assert policy.best_sd_len(c, 0.8, 1, 8) > policy.best_sd_len(per_step_only, 0.8, 1, 8)

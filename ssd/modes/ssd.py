@@ -235,7 +235,8 @@ class SSDMode(DraftBackedMode):
                                           self.draft_borrow)
             dt = time.perf_counter() - t0
             self.stats.draft_s += dt
-            self.cost.draft_step.update(dt / max(1, max(len(d.tokens) for d in drafts)))
+            if not self._round_lag:  # a backlog fed first is priced apart (choose's `lag`)
+                self.cost.observe_draft(max(len(d.tokens) for d in drafts), dt)
             for s, d, q in zip(missing, drafts, qs):
                 self.current[s.seq_id] = (d, q, "primary")
         drafts = [self.current[s.seq_id][0] for s in seqs]
