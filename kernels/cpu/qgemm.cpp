@@ -455,6 +455,14 @@ inline __m512 load_half2(const uint16_t* a, const uint16_t* b) {  // 8 fp16 from
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
+// sum += dpbusd(w, the 4 activation bytes at x in every lane). The broadcast rides in the instruction
+// ({1to16}): GCC emits a separate vpbroadcastd, one more uop per dpbusd, which at 5-8 rows is what
+// limits the tile kernels (they issue 16 such pairs per block and row).
+inline __m512i dpbusd_bcast(__m512i sum, __m512i w, const int8_t* x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+    return sum;
+}
+
 // Tiles at wa and wb (scales sa, sb; q4 offsets oa, ob) against R activation rows: out[16 i + r] =
 // tile A's row r, out[16 i + 8 + r] = tile B's.
 template <int FMT, int R>
@@ -481,15 +489,14 @@ inline void tile2_dot(const uint8_t* wa, const uint8_t* wb, const uint16_t* sa, 
 #pragma GCC unroll 8
             for (int i = 0; i < R; ++i) {
                 __m512i sum_lo = _mm512_setzero_si512(), sum_hi = _mm512_setzero_si512();
+                const int8_t* x = a.xq + (static_cast<size_t>(m0 + i) * a.nbp + b) * QK + 8 * part * chunks;
 #pragma GCC unroll 4
                 for (int cc = 0; cc < chunks; ++cc) {
-                    int32_t x_lo, x_hi;
-                    act_words(a, m0 + i, b, part * chunks + cc, x_lo, x_hi);
-                    sum_lo = _mm512_dpbusd_epi32(sum_lo, lo[cc], _mm512_set1_epi32(x_lo));
+                    sum_lo = dpbusd_bcast(sum_lo, lo[cc], x + 8 * cc);
                     if (R <= 4)  // two chains halve the dependent latency
-                        sum_hi = _mm512_dpbusd_epi32(sum_hi, hi[cc], _mm512_set1_epi32(x_hi));
+                        sum_hi = dpbusd_bcast(sum_hi, hi[cc], x + 8 * cc + 4);
                     else  // 5-8 rows are enough independent chains; one saves the add
-                        sum_lo = _mm512_dpbusd_epi32(sum_lo, hi[cc], _mm512_set1_epi32(x_hi));
+                        sum_lo = dpbusd_bcast(sum_lo, hi[cc], x + 8 * cc + 4);
                 }
                 const size_t at = static_cast<size_t>(m0 + i) * a.nbp + b;
                 const float sx = FMT == FMT_Q6 ? a.sx16[2 * at + part] : a.sx[at];
