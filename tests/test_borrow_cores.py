@@ -29,6 +29,19 @@ def restore_cpu_state():
     os.sched_setaffinity(0, cores)
 
 
+def watch_threads(worker) -> list[tuple[int, set[int]]]:
+    """Record (torch threads, affinity) at every forward of the worker's runner."""
+    seen: list[tuple[int, set[int]]] = []
+    forward = worker.runner.forward
+
+    def spy(*args, **kwargs):
+        seen.append((torch.get_num_threads(), os.sched_getaffinity(0)))
+        return forward(*args, **kwargs)
+
+    worker.runner.forward = spy
+    return seen
+
+
 @two_cores
 def test_core_loan_widens_then_restores(restore_cpu_state):
     own, spare = CORES[:1], CORES[1:2]
@@ -53,14 +66,7 @@ def test_borrowed_verification_runs_on_both_cores_with_the_same_bits(restore_cpu
     model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=2, seed=7)
     worker = TargetWorker(model, dtype="float32", quantization="w4a8", max_slots=2, max_len=64,
                           cpu_cores=CORES[:1], spare_cores=CORES[1:2])
-    seen: list[tuple[int, set[int]]] = []
-    forward = worker.runner.forward
-
-    def spy(*args, **kwargs):
-        seen.append((torch.get_num_threads(), os.sched_getaffinity(0)))
-        return forward(*args, **kwargs)
-
-    worker.runner.forward = spy
+    seen = watch_threads(worker)
     logits = {}
     for seq_id, borrow in ((0, False), (1, True)):
         worker.add(seq_id, [3, 9, 4, 1, 7], SamplingSpec(temperature=0))
@@ -104,14 +110,7 @@ def test_a_borrowed_draft_proposes_on_both_cores_with_the_same_tokens_and_q(rest
     model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=2, seed=11)
     worker = DraftWorker(model, dtype="float32", quantization="w4a8", max_slots=2, max_len=64,
                          cpu_cores=CORES[1:2], spare_cores=CORES[:1])
-    seen: list[tuple[int, set[int]]] = []
-    forward = worker.runner.forward
-
-    def spy(*args, **kwargs):
-        seen.append((torch.get_num_threads(), os.sched_getaffinity(0)))
-        return forward(*args, **kwargs)
-
-    worker.runner.forward = spy
+    seen = watch_threads(worker)
     out = {}
     for seq_id, borrow in ((0, False), (1, True)):
         worker.add(seq_id, [3, 9, 4, 1, 7], SamplingSpec(temperature=0.8, seed=5))
