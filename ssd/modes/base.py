@@ -53,9 +53,9 @@ class Mode:
     def round(self, seqs: list[Sequence]) -> list[Outcome]:
         raise NotImplementedError
 
-    def draft_len(self, seq: Sequence) -> int:
-        # Never draft past max_tokens: a round emits at most k + 1 tokens.
-        return max(0, min(self.k, seq.remaining - 1))
+    def draft_len(self, seq: Sequence, k: int | None = None) -> int:
+        """k (default: the mode's K) draft tokens, never past max_tokens: a round emits at most k + 1."""
+        return max(0, min(self.k if k is None else k, seq.remaining - 1))
 
     def _verify(self, drafts: list[Draft], q_draft=None, borrow: bool = False) -> list[Outcome]:
         t0 = time.perf_counter()

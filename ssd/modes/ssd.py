@@ -230,8 +230,8 @@ class SSDMode(DraftBackedMode):
         elif missing:  # just-in-time neural drafts (first round, or after an SD / AR round)
             t0 = time.perf_counter()
             fo = [self.planner.plan(s.seq_id, "primary") for s in missing]
-            lens = [max(0, min(self._sd_k, s.remaining - 1)) if choice == "sd" else self.draft_len(s) for s in missing]
-            drafts, qs = self._draft_call("propose", [(s.seq_id, n) for s, n in zip(missing, lens)], fo,
+            k = self._sd_k if choice == "sd" else None
+            drafts, qs = self._draft_call("propose", [(s.seq_id, self.draft_len(s, k)) for s in missing], fo,
                                           self.draft_borrow)
             dt = time.perf_counter() - t0
             self.stats.draft_s += dt
