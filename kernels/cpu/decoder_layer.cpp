@@ -44,11 +44,11 @@ struct SsdLayer {
 // y = silu(gu[:, :I]) * gu[:, I:] per row, each op rounded to the dtype as torch's F.silu(gate) * up:
 // silu(g) = g / (1 + exp(-g)) in fp32, with exp computed 8 lanes at a time (exp8: within ~2 ulp of
 // libm's expf, the same bits in every build and for every element whatever its position).
-void ssd_silu_mul(const void* gu, void* y, int bf16, int M, int I, int nthreads) {
+// Thread t of nt: its contiguous share of the 8-column chunks.
+static void silu_mul_part(const void* gu, void* y, int bf16, int M, int I, int t, int nt) {
     const int chunks = (I + 7) / 8;
     const int64_t jobs = static_cast<int64_t>(M) * chunks;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (jobs >= 512)
-    for (int64_t job = 0; job < jobs; ++job) {
+    for (int64_t job = jobs * t / nt; job < jobs * (t + 1) / nt; ++job) {
         const int64_t m = job / chunks;
         const int i0 = static_cast<int>(job % chunks) * 8, n = I - i0 < 8 ? I - i0 : 8;
         const int64_t at_g = m * 2 * I + i0, at_u = at_g + I, at_y = m * I + i0;
@@ -79,28 +79,116 @@ void ssd_silu_mul(const void* gu, void* y, int bf16, int M, int I, int nthreads)
     }
 }
 
+void ssd_silu_mul(const void* gu, void* y, int bf16, int M, int I, int nthreads) {
+    const int64_t jobs = static_cast<int64_t>(M) * ((I + 7) / 8);
+#pragma omp parallel num_threads(nthreads) if (jobs >= 512)
+    silu_mul_part(gu, y, bf16, M, I, omp_get_thread_num(), omp_get_num_threads());
+}
+
 }  // extern "C"
 
 namespace {
 
-void run_linear(const SsdLinear& l, const void* x, int M, void* y, int bf16, int nthreads) {
+// One linear layer run by the team (y complete and the team in step on return).
+void run_linear(const Team& tm, void** shared, const SsdLinear& l, const void* x, int M, void* y, int bf16) {
     if (l.kind == 0) {
-        ssd_linear_dense(x, bf16, M, l.n, l.k, l.w, l.w_bf16, l.bias, y, nthreads);
+        ssd_team::linear_dense(tm, shared, x, bf16, M, l.n, l.k, l.w, l.w_bf16, l.bias, y);
         return;
     }
-    ssd_linear(x, M, l.n, l.k, static_cast<const uint8_t*>(l.w), l.scale, l.kind == 1 ? l.offset : nullptr, l.kind, y,
-               bf16, nthreads);
-    if (l.bias != nullptr)  // y + bias in the activation dtype, as _BlockLinear.forward's y.add_(bias)
+    ssd_team::linear(tm, shared, x, M, l.n, l.k, static_cast<const uint8_t*>(l.w), l.scale,
+                     l.kind == 1 ? l.offset : nullptr, l.kind, y, bf16);
+    if (l.bias == nullptr) return;
+    if (tm.t == 0)  // y + bias in the activation dtype, as _BlockLinear.forward's y.add_(bias)
         for (int m = 0; m < M; ++m)
             for (int n = 0; n < l.n; ++n) {
                 const size_t at = static_cast<size_t>(m) * l.n + n;
                 act_store(y, at, act_load(y, at, bf16) + act_load(l.bias, n, bf16), bf16);
             }
+    tm.sync();
 }
 
 // x += d elementwise, rounded (the residual adds).
 void add_into(void* x, const void* d, size_t count, int bf16) {
     for (size_t i = 0; i < count; ++i) act_store(x, i, act_load(x, i, bf16) + act_load(d, i, bf16), bf16);
+}
+
+// The layers for one team member: the elementwise steps (norms, RoPE, the cache writes, residual adds)
+// on thread 0, the linears and attention shared; sync() between the stages. `buf`: the work buffers.
+void layers_team(const Team& tm, void** shared, char* buf, const SsdLayer* layers, int n_layers, void* x, int bf16,
+                 int T, int D, int H, int Hkv, int hd, int I, int max_len, float eps, const void* cos, const void* sin,
+                 const int32_t* w_slot, const int32_t* w_pos, const int32_t* slot, const int32_t* len,
+                 const int64_t* off, const int64_t* idx) {
+    const size_t es = bf16 ? 2 : 4;
+    const int qkv_w = (H + 2 * Hkv) * hd, half = hd / 2;
+    void* h = buf;                                      // [T, D] normed input
+    void* qkv = buf + es * T * D;                       // [T, (H + 2 Hkv) hd]
+    void* att = static_cast<char*>(qkv) + es * T * qkv_w;  // [T, H hd]
+    void* o = static_cast<char*>(att) + es * T * H * hd;   // [T, D]
+    void* gu = static_cast<char*>(o) + es * T * D;         // [T, 2 I]
+    void* act = static_cast<char*>(gu) + es * T * 2 * I;   // [T, I]
+    auto serial = [&](auto&& step) {
+        if (tm.t == 0) step();
+        tm.sync();
+    };
+    for (int li = 0; li < n_layers; ++li) {
+        const SsdLayer& L = layers[li];
+        serial([&] { ssd_rmsnorm(x, L.in_norm, h, bf16, T, D, eps); });
+        if (L.qkv_parts == 1) {
+            run_linear(tm, shared, L.q, h, T, qkv, bf16);
+        } else {  // each part into `att` (free until attention), then into its columns of qkv
+            int col = 0;
+            for (const SsdLinear* part : {&L.q, &L.k, &L.v}) {
+                run_linear(tm, shared, *part, h, T, att, bf16);
+                serial([&] {
+                    for (int t = 0; t < T; ++t)
+                        memcpy(static_cast<char*>(qkv) + (static_cast<size_t>(t) * qkv_w + col) * es,
+                               static_cast<char*>(att) + static_cast<size_t>(t) * part->n * es, part->n * es);
+                });
+                col += part->n;
+            }
+        }
+        serial([&] {
+            // RoPE on the q and k heads: out = x * cos + rotate_half(x) * sin, each op rounded.
+            for (int t = 0; t < T; ++t)
+                for (int head = 0; head < H + Hkv; ++head) {
+                    const size_t at = static_cast<size_t>(t) * qkv_w + static_cast<size_t>(head) * hd;
+                    float v[512];  // hd <= 512 (checked by the caller)
+                    for (int d = 0; d < hd; ++d) v[d] = act_load(qkv, at + d, bf16);
+                    for (int d = 0; d < hd; ++d) {
+                        const float c = act_load(cos, static_cast<size_t>(t) * hd + d, bf16);
+                        const float s = act_load(sin, static_cast<size_t>(t) * hd + d, bf16);
+                        const float rot = d < half ? -v[d + half] : v[d - half];
+                        float a = v[d] * c, b = rot * s;
+                        if (bf16) {
+                            a = bf16_to_f32(f32_to_bf16(a));
+                            b = bf16_to_f32(f32_to_bf16(b));
+                        }
+                        act_store(qkv, at + d, a + b, bf16);
+                    }
+                }
+            // Keys and values of every new token into the cache before any token attends.
+            for (int t = 0; t < T; ++t)
+                for (int kh = 0; kh < Hkv; ++kh) {
+                    const size_t dst = ((static_cast<size_t>(w_slot[t]) * Hkv + kh) * max_len + w_pos[t]) * hd * es;
+                    const size_t src = (static_cast<size_t>(t) * qkv_w + static_cast<size_t>(H + kh) * hd) * es;
+                    memcpy(static_cast<char*>(L.k_cache) + dst, static_cast<char*>(qkv) + src, hd * es);
+                    memcpy(static_cast<char*>(L.v_cache) + dst, static_cast<char*>(qkv) + src + Hkv * hd * es, hd * es);
+                }
+        });
+        attend_rows_part(qkv, qkv_w, L.k_cache, L.v_cache, att, bf16, T, H, Hkv, hd, max_len, slot, len, off, idx,
+                         tm.t, tm.nt);
+        tm.sync();
+        run_linear(tm, shared, L.o, att, T, o, bf16);
+        serial([&] {
+            add_into(x, o, static_cast<size_t>(T) * D, bf16);
+            ssd_rmsnorm(x, L.post_norm, h, bf16, T, D, eps);
+        });
+        run_linear(tm, shared, L.gate_up, h, T, gu, bf16);
+        silu_mul_part(gu, act, bf16, T, I, tm.t, tm.nt);
+        tm.sync();
+        run_linear(tm, shared, L.down, act, T, o, bf16);
+        serial([&] { add_into(x, o, static_cast<size_t>(T) * D, bf16); });
+    }
 }
 
 }  // namespace
@@ -109,70 +197,32 @@ extern "C" {
 
 // x [T, D] (in place): the hidden states of T new tokens through `n_layers` layers. Token t sits at
 // cache slot w_slot[t], position w_pos[t]; cos/sin [T, hd] are its RoPE rows; (slot, len, off, idx)
-// is the attention plan of ssd_attend_rows, one entry per token in the same order.
+// is the attention plan of ssd_attend_rows, one entry per token in the same order. One OpenMP region
+// for the whole call, its stages separated by a spin barrier (see SpinBarrier).
 void ssd_decoder_layers(const SsdLayer* layers, int n_layers, void* x, int bf16, int T, int D, int H, int Hkv, int hd,
                         int I, int max_len, float eps, const void* cos, const void* sin, const int32_t* w_slot,
                         const int32_t* w_pos, const int32_t* slot, const int32_t* len, const int64_t* off,
                         const int64_t* idx, int nthreads) {
     const size_t es = bf16 ? 2 : 4;
-    const int qkv_w = (H + 2 * Hkv) * hd, half = hd / 2;
+    const int qkv_w = (H + 2 * Hkv) * hd;
     char* buf = static_cast<char*>(malloc(es * T * (2 * static_cast<size_t>(D) + qkv_w + H * hd + 3 * I)));
-    void* h = buf;                                      // [T, D] normed input
-    void* qkv = buf + es * T * D;                       // [T, (H + 2 Hkv) hd]
-    void* att = static_cast<char*>(qkv) + es * T * qkv_w;  // [T, H hd]
-    void* o = static_cast<char*>(att) + es * T * H * hd;   // [T, D]
-    void* gu = static_cast<char*>(o) + es * T * D;         // [T, 2 I]
-    void* act = static_cast<char*>(gu) + es * T * 2 * I;   // [T, I]
-    for (int li = 0; li < n_layers; ++li) {
-        const SsdLayer& L = layers[li];
-        ssd_rmsnorm(x, L.in_norm, h, bf16, T, D, eps);
-        if (L.qkv_parts == 1) {
-            run_linear(L.q, h, T, qkv, bf16, nthreads);
-        } else {  // each part into `att` (free until attention), then into its columns of qkv
-            int col = 0;
-            for (const SsdLinear* part : {&L.q, &L.k, &L.v}) {
-                run_linear(*part, h, T, att, bf16, nthreads);
-                for (int t = 0; t < T; ++t)
-                    memcpy(static_cast<char*>(qkv) + (static_cast<size_t>(t) * qkv_w + col) * es,
-                           static_cast<char*>(att) + static_cast<size_t>(t) * part->n * es, part->n * es);
-                col += part->n;
-            }
+    void* shared = nullptr;
+    auto run = [&](const Team& tm) {
+        layers_team(tm, &shared, buf, layers, n_layers, x, bf16, T, D, H, Hkv, hd, I, max_len, eps, cos, sin, w_slot,
+                    w_pos, slot, len, off, idx);
+    };
+    if (nthreads <= 1) {
+        run(Team{0, 1, nullptr});
+    } else {
+        SpinBarrier barrier(nthreads);
+#pragma omp parallel num_threads(nthreads)
+        {
+            // A smaller team than asked for (a nested call): its thread 0 runs every stage alone.
+            if (omp_get_num_threads() == nthreads)
+                run(Team{omp_get_thread_num(), nthreads, &barrier});
+            else if (omp_get_thread_num() == 0)
+                run(Team{0, 1, nullptr});
         }
-        // RoPE on the q and k heads: out = x * cos + rotate_half(x) * sin, each op rounded.
-        for (int t = 0; t < T; ++t)
-            for (int head = 0; head < H + Hkv; ++head) {
-                const size_t at = static_cast<size_t>(t) * qkv_w + static_cast<size_t>(head) * hd;
-                float v[512];  // hd <= 512 (checked by the caller)
-                for (int d = 0; d < hd; ++d) v[d] = act_load(qkv, at + d, bf16);
-                for (int d = 0; d < hd; ++d) {
-                    const float c = act_load(cos, static_cast<size_t>(t) * hd + d, bf16);
-                    const float s = act_load(sin, static_cast<size_t>(t) * hd + d, bf16);
-                    const float rot = d < half ? -v[d + half] : v[d - half];
-                    float a = v[d] * c, b = rot * s;
-                    if (bf16) {
-                        a = bf16_to_f32(f32_to_bf16(a));
-                        b = bf16_to_f32(f32_to_bf16(b));
-                    }
-                    act_store(qkv, at + d, a + b, bf16);
-                }
-            }
-        // Keys and values of every new token into the cache before any token attends.
-        for (int t = 0; t < T; ++t)
-            for (int kh = 0; kh < Hkv; ++kh) {
-                const size_t dst = ((static_cast<size_t>(w_slot[t]) * Hkv + kh) * max_len + w_pos[t]) * hd * es;
-                const size_t src = (static_cast<size_t>(t) * qkv_w + static_cast<size_t>(H + kh) * hd) * es;
-                memcpy(static_cast<char*>(L.k_cache) + dst, static_cast<char*>(qkv) + src, hd * es);
-                memcpy(static_cast<char*>(L.v_cache) + dst, static_cast<char*>(qkv) + src + Hkv * hd * es, hd * es);
-            }
-        ssd_attend_rows(qkv, qkv_w, L.k_cache, L.v_cache, att, bf16, T, H, Hkv, hd, max_len, slot, len, off, idx,
-                        nthreads);
-        run_linear(L.o, att, T, o, bf16, nthreads);
-        add_into(x, o, static_cast<size_t>(T) * D, bf16);
-        ssd_rmsnorm(x, L.post_norm, h, bf16, T, D, eps);
-        run_linear(L.gate_up, h, T, gu, bf16, nthreads);
-        ssd_silu_mul(gu, act, bf16, T, I, nthreads);
-        run_linear(L.down, act, T, o, bf16, nthreads);
-        add_into(x, o, static_cast<size_t>(T) * D, bf16);
     }
     free(buf);
 }

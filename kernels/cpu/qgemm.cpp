@@ -44,7 +44,8 @@
 //
 // Threads: the N outputs are split into contiguous ranges (q4, q5: of whole tiles), one per OpenMP thread
 // (the caller passes torch.get_num_threads(); torch's own libgomp serves the pragma, so there is one
-// thread pool).
+// thread pool). Each kernel's `_part` does thread t's range; the entry points run it in a parallel region of
+// their own, ssd_decoder_layers runs all of a forward's stages in one region (ssd_team::linear).
 
 #include <immintrin.h>
 #include <math.h>
@@ -514,14 +515,13 @@ inline void tile2_dot(const uint8_t* wa, const uint8_t* wb, const uint16_t* sa, 
 
 // q4, q5, q6: tiles of 8 rows split between threads; up to 4 activation rows per pass over a tile
 // (AVX-512: pairs of tiles, up to 8 rows per pass; an odd last tile goes alone).
+// Thread t of nt computes its contiguous share of the tiles.
 template <int FMT>
-void tile_gemm(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N, int K,
-               void* y, int y_bf16, int nthreads) {
+void tile_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N,
+                    int K, void* y, int y_bf16, int t, int nt) {
     constexpr int RC = 4, RC2 = 8, block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
     const int nb = K / QK, tiles = (N + 7) / 8;
-#pragma omp parallel num_threads(nthreads)
     {
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int t0 = static_cast<int>(static_cast<int64_t>(tiles) * t / nt);
         const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (t + 1) / nt);
         alignas(64) float part[RC2 * 16];
@@ -594,14 +594,12 @@ inline void q8_row(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0,
 #endif
 }
 
-// q8: one weight row at a time, up to MC activation rows per pass.
-void block_gemm_q8(const uint8_t* w, const uint16_t* scale, const QActs& a, int M, int N, int K, void* y, int y_bf16,
-                int nthreads) {
+// q8: one weight row at a time, up to MC activation rows per pass; thread t of nt takes its share of rows.
+void block_gemm_q8_part(const uint8_t* w, const uint16_t* scale, const QActs& a, int M, int N, int K, void* y,
+                        int y_bf16, int t, int nt) {
     const int nb = K / QK;
     const size_t row_bytes = K;
-#pragma omp parallel num_threads(nthreads)
     {
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int n0 = static_cast<int>(static_cast<int64_t>(N) * t / nt);
         const int n1 = static_cast<int>(static_cast<int64_t>(N) * (t + 1) / nt);
         float part[MC];
@@ -761,11 +759,9 @@ inline void dense_rows(const void* w, const float* xf, int n0, int n1, int M, in
 }
 
 template <bool WBF16>
-void dense_gemm(const void* w, const float* xf, const float* bias, int M, int N, int K, void* y, int y_bf16,
-                int nthreads) {
-#pragma omp parallel num_threads(nthreads)
+void dense_gemm_part(const void* w, const float* xf, const float* bias, int M, int N, int K, void* y, int y_bf16,
+                     int t, int nt) {
     {
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         // Split N in multiples of 8 so every thread keeps whole tiles.
         const int tiles = (N + 7) / 8;
         int n0 = static_cast<int>(static_cast<int64_t>(tiles) * t / nt) * 8;
@@ -823,31 +819,81 @@ void ssd_quantize_rows(const void* x, int x_bf16, int M, int K, int8_t* xq, floa
     }
 }
 
-// y [M, N] = x [M, K] @ W^T: quantise x's rows (as ssd_quantize_rows), then the block GEMM.
-// x and y share one dtype (bf16 when bf16, else fp32). fmt: 1 q4 (tiles, with offsets), 2 q8, 3 q5,
-// 4 q6 (offset nullptr); see the top of this file.
-void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint16_t* scale,
-                const uint16_t* offset, int fmt, void* y, int bf16, int nthreads) {
+}  // extern "C"
+
+namespace {
+
+// x's rows quantised (as ssd_quantize_rows) and laid out for the block GEMM of format fmt.
+QActs quantized_acts(const void* x, int bf16, int M, int K, int fmt) {
     const size_t nb = static_cast<size_t>(K) / QK;
     int8_t* xq = static_cast<int8_t*>(malloc(static_cast<size_t>(M) * K));
     float* dx = static_cast<float*>(malloc(sizeof(float) * M * nb));
     float* sx = static_cast<float*>(malloc(sizeof(float) * M * nb));
     ssd_quantize_rows(x, bf16, M, K, xq, dx, sx);
     QActs a = pack_acts(xq, dx, sx, M, K, fmt == FMT_Q6);
-    if (fmt == FMT_Q4)
-        tile_gemm<FMT_Q4>(w, scale, offset, a, M, N, K, y, bf16, nthreads);
-    else if (fmt == FMT_Q5)
-        tile_gemm<FMT_Q5>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
-    else if (fmt == FMT_Q6)
-        tile_gemm<FMT_Q6>(w, scale, nullptr, a, M, N, K, y, bf16, nthreads);
-    else {
-        if (SSD_Q8_512) add_unsigned_acts(a, M);
-        block_gemm_q8(w, scale, a, M, N, K, y, bf16, nthreads);
-    }
-    free_acts(a);
+    if (fmt == FMT_Q8 && SSD_Q8_512) add_unsigned_acts(a, M);
     free(xq);
     free(dx);
     free(sx);
+    return a;
+}
+
+// Thread t of nt: its share of the outputs of the block GEMM of format fmt.
+void block_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, int fmt, const QActs& a, int M,
+                     int N, int K, void* y, int bf16, int t, int nt) {
+    if (fmt == FMT_Q4)
+        tile_gemm_part<FMT_Q4>(w, scale, offset, a, M, N, K, y, bf16, t, nt);
+    else if (fmt == FMT_Q5)
+        tile_gemm_part<FMT_Q5>(w, scale, nullptr, a, M, N, K, y, bf16, t, nt);
+    else if (fmt == FMT_Q6)
+        tile_gemm_part<FMT_Q6>(w, scale, nullptr, a, M, N, K, y, bf16, t, nt);
+    else
+        block_gemm_q8_part(w, scale, a, M, N, K, y, bf16, t, nt);
+}
+
+// x's rows in fp32 as dense_tile reads them, and the bias in fp32 (nullptr without one).
+struct DenseInput {
+    float* xf;
+    float* bias;
+};
+
+DenseInput dense_input(const void* x, int x_bf16, int M, int N, int K, int w_bf16, const void* bias) {
+    DenseInput in{static_cast<float*>(malloc(sizeof(float) * static_cast<size_t>(M) * K + 32)), nullptr};
+    for (int m = 0; m < M; ++m) {
+        const size_t at = static_cast<size_t>(m) * K;
+        if (w_bf16)
+            prepare_x_row<true>(x, x_bf16, at, K, in.xf + at);
+        else
+            prepare_x_row<false>(x, x_bf16, at, K, in.xf + at);
+    }
+    if (bias != nullptr) {
+        in.bias = static_cast<float*>(malloc(sizeof(float) * N));
+        for (int n = 0; n < N; ++n) in.bias[n] = w_bf16 ? load_w1<true>(bias, n) : load_w1<false>(bias, n);
+    }
+    return in;
+}
+
+void dense_part(const void* w, int w_bf16, const DenseInput& in, int M, int N, int K, void* y, int y_bf16, int t,
+                int nt) {
+    if (w_bf16)
+        dense_gemm_part<true>(w, in.xf, in.bias, M, N, K, y, y_bf16, t, nt);
+    else
+        dense_gemm_part<false>(w, in.xf, in.bias, M, N, K, y, y_bf16, t, nt);
+}
+
+}  // namespace
+
+extern "C" {
+
+// y [M, N] = x [M, K] @ W^T: quantise x's rows (as ssd_quantize_rows), then the block GEMM.
+// x and y share one dtype (bf16 when bf16, else fp32). fmt: 1 q4 (tiles, with offsets), 2 q8, 3 q5,
+// 4 q6 (offset nullptr); see the top of this file.
+void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint16_t* scale,
+                const uint16_t* offset, int fmt, void* y, int bf16, int nthreads) {
+    QActs a = quantized_acts(x, bf16, M, K, fmt);
+#pragma omp parallel num_threads(nthreads)
+    block_gemm_part(w, scale, offset, fmt, a, M, N, K, y, bf16, omp_get_thread_num(), omp_get_num_threads());
+    free_acts(a);
 }
 
 // out = weight * rmsnorm(x) per row of D: fp32 mean of squares, x * rsqrt(ms + eps) rounded to the
@@ -878,13 +924,15 @@ void ssd_rmsnorm(const void* x, const void* weight, void* out, int bf16, int M, 
 // q_stride (elements), out: [R, H, hd] contiguous; caches: one
 // layer [S, Hkv, max_len, hd]; q, caches and out share one dtype (bf16 or fp32); math in fp32.
 // One token's result depends on its own query and keys only, so it is batch invariant.
-void ssd_attend_rows(const void* q, int64_t q_stride, const void* kc, const void* vc, void* out, int bf16, int R,
-                     int H, int Hkv, int hd, int max_len, const int32_t* slot, const int32_t* len, const int64_t* off,
-                     const int64_t* idx, int nthreads) {
-    const int group = H / Hkv;
+// Thread t of nt: its contiguous share of the (row, kv head) jobs.
+void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const void* vc, void* out, int bf16, int R,
+                      int H, int Hkv, int hd, int max_len, const int32_t* slot, const int32_t* len, const int64_t* off,
+                      const int64_t* idx, int t, int nt) {
+    const int group = H / Hkv, jobs = R * Hkv;
     const float scale = 1.0f / sqrtf(static_cast<float>(hd));
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int job = 0; job < R * Hkv; ++job) {
+    const int j0 = static_cast<int>(static_cast<int64_t>(jobs) * t / nt);
+    const int j1 = static_cast<int>(static_cast<int64_t>(jobs) * (t + 1) / nt);
+    for (int job = j0; job < j1; ++job) {
         const int r = job / Hkv, kvh = job % Hkv;
         const int L = len[r];
         float* buf = new float[static_cast<size_t>(group) * (2 * hd + L) + hd + static_cast<size_t>(L) * hd];
@@ -971,29 +1019,54 @@ void ssd_attend_rows(const void* q, int64_t q_stride, const void* kc, const void
     }
 }
 
+void ssd_attend_rows(const void* q, int64_t q_stride, const void* kc, const void* vc, void* out, int bf16, int R,
+                     int H, int Hkv, int hd, int max_len, const int32_t* slot, const int32_t* len, const int64_t* off,
+                     const int64_t* idx, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    attend_rows_part(q, q_stride, kc, vc, out, bf16, R, H, Hkv, hd, max_len, slot, len, off, idx, omp_get_thread_num(),
+                     omp_get_num_threads());
+}
+
 // y [M, N] = x [M, K] @ w[N, K]^T (+ bias [N]): w fp32, or bf16 when w_bf16 (bias in w's dtype); x and
 // y share one dtype (bf16 when x_bf16). Math in fp32, rounded to y's dtype once per output.
 void ssd_linear_dense(const void* x, int x_bf16, int M, int N, int K, const void* w, int w_bf16, const void* bias,
                       void* y, int nthreads) {
-    float* xf = static_cast<float*>(malloc(sizeof(float) * static_cast<size_t>(M) * K + 32));
-    for (int m = 0; m < M; ++m) {
-        const size_t at = static_cast<size_t>(m) * K;
-        if (w_bf16)
-            prepare_x_row<true>(x, x_bf16, at, K, xf + at);
-        else
-            prepare_x_row<false>(x, x_bf16, at, K, xf + at);
-    }
-    float* bf = nullptr;
-    if (bias != nullptr) {
-        bf = static_cast<float*>(malloc(sizeof(float) * N));
-        for (int n = 0; n < N; ++n) bf[n] = w_bf16 ? load_w1<true>(bias, n) : load_w1<false>(bias, n);
-    }
-    if (w_bf16)
-        dense_gemm<true>(w, xf, bf, M, N, K, y, x_bf16, nthreads);
-    else
-        dense_gemm<false>(w, xf, bf, M, N, K, y, x_bf16, nthreads);
-    free(xf);
-    free(bf);
+    DenseInput in = dense_input(x, x_bf16, M, N, K, w_bf16, bias);
+#pragma omp parallel num_threads(nthreads)
+    dense_part(w, w_bf16, in, M, N, K, y, x_bf16, omp_get_thread_num(), omp_get_num_threads());
+    free(in.xf);
+    free(in.bias);
 }
 
 }  // extern "C"
+
+namespace ssd_team {
+
+void linear(const Team& tm, void** shared, const void* x, int M, int N, int K, const uint8_t* w,
+            const uint16_t* scale, const uint16_t* offset, int fmt, void* y, int bf16) {
+    if (tm.t == 0) *shared = new QActs(quantized_acts(x, bf16, M, K, fmt));
+    tm.sync();
+    block_gemm_part(w, scale, offset, fmt, *static_cast<const QActs*>(*shared), M, N, K, y, bf16, tm.t, tm.nt);
+    tm.sync();
+    if (tm.t == 0) {
+        QActs* a = static_cast<QActs*>(*shared);
+        free_acts(*a);
+        delete a;
+    }
+}
+
+void linear_dense(const Team& tm, void** shared, const void* x, int x_bf16, int M, int N, int K, const void* w,
+                  int w_bf16, const void* bias, void* y) {
+    if (tm.t == 0) *shared = new DenseInput(dense_input(x, x_bf16, M, N, K, w_bf16, bias));
+    tm.sync();
+    dense_part(w, w_bf16, *static_cast<const DenseInput*>(*shared), M, N, K, y, x_bf16, tm.t, tm.nt);
+    tm.sync();
+    if (tm.t == 0) {
+        DenseInput* in = static_cast<DenseInput*>(*shared);
+        free(in->xf);
+        free(in->bias);
+        delete in;
+    }
+}
+
+}  // namespace ssd_team
