@@ -8,6 +8,9 @@ same forwards with one and then the other, in alternating order, on the same wei
     git worktree add --detach /tmp/base main
     python benchmarks/kernel_ab.py --base /tmp/base/kernels/cpu --model qwen-coder-1.5b --threads 1,2
 
+`--caller thread` times the forwards from a second thread while the main thread, which loaded the model, keeps
+its own OpenMP team: how an in-process worker (ssd/handles.py LocalHandle) runs.
+
 Prints ms per forward (median) for each (threads, n) and the ratio new / base, t(8) / t(1) of each,
 and whether both give the same logits (they must, unless the change alters the numerics on purpose);
 writes results/kernel_ab-<model>.json unless --out says otherwise.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="2")
     ap.add_argument("--tokens", default="1,8", help="tokens scored per forward (1 = decode, K + 1 = verify K)")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--caller", default="main", choices=("main", "thread"),
+                    help="thread: from a second thread, the main thread's OpenMP team still there (in-process workers)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not (args.base / qk.SOURCES[0]).is_file():
@@ -64,8 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     def using(lib: object) -> Variant:  # the model's layers call whichever library _lib returns
         return Variant(shared.runner, shared.slot, enter=lambda: setattr(qk, "_lib", lambda: lib))
 
-    spent, logits = alternate({name: using(lib) for name, lib in libs.items()}, threads, ns, args.rounds)
-    print(f"{args.model} {args.quantization}, {qk.isa()} build, ms per forward (median of {3 * args.rounds})")
+    variants = {name: using(lib) for name, lib in libs.items()}
+    if args.caller == "thread":
+        with ThreadPoolExecutor(1) as pool:
+            spent, logits = pool.submit(alternate, variants, threads, ns, args.rounds).result()
+    else:
+        spent, logits = alternate(variants, threads, ns, args.rounds)
+    print(f"{args.model} {args.quantization}, {qk.isa()} build, called from the {args.caller} thread, "
+          f"ms per forward (median of {3 * args.rounds})")
     rows, same = report(spent, logits, "base", "new", threads, ns)
     out = Path(args.out or Path(__file__).resolve().parent.parent / "results" / f"kernel_ab-{args.model}.json")
     out.write_text(json.dumps(dict(args={**vars(args), "base": str(args.base)}, isa=qk.isa(), rows=rows,

@@ -186,3 +186,30 @@ def test_silu_mul_bf16_rounds_each_op_as_torch():
     silu32 = cpu_kernels.silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=-1))
     want = (silu32.bfloat16().float() * up).bfloat16()
     assert torch.equal(cpu_kernels.silu_mul(gu), want)
+
+
+def test_fused_layers_give_the_same_bits_from_any_thread_and_team_size():
+    """A forward's layers run in one OpenMP region with a barrier of their own (decoder_layer.cpp): the bits
+    are those of one thread whatever the calling thread, a second OpenMP team in the process (the main
+    thread's, as for an in-process worker), or more threads than cores (the barrier yields)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny("w4a8")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = script(model, use_fused=True)
+
+        def run(n: int) -> list[torch.Tensor]:
+            torch.set_num_threads(n)
+            return script(model, use_fused=True)
+
+        torch.set_num_threads(2)
+        torch.randn(512, 512) @ torch.randn(512, 512)  # the main thread's own OpenMP team
+        with ThreadPoolExecutor(1) as pool:
+            for n in (2, 3, 4):
+                got = pool.submit(run, n).result()
+                for i, (x, y) in enumerate(zip(ref, got)):
+                    assert torch.equal(x, y), f"{n} threads, forward {i}: max diff {(x - y).abs().max().item()}"
+    finally:
+        torch.set_num_threads(threads)
