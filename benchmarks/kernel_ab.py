@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             spent, logits = pool.submit(alternate, variants, threads, ns, args.rounds).result()
     else:
         spent, logits = alternate(variants, threads, ns, args.rounds)
-    print(f"{args.model} {args.quantization}, {qk.isa()} build, called from the {args.caller} thread, "
+    caller = "a second thread" if args.caller == "thread" else "the main thread"
+    print(f"{args.model} {args.quantization}, {qk.isa()} build, called from {caller}, "
           f"ms per forward (median of {3 * args.rounds})")
     rows, same = report(spent, logits, "base", "new", threads, ns)
     out = Path(args.out or Path(__file__).resolve().parent.parent / "results" / f"kernel_ab-{args.model}.json")
