@@ -294,6 +294,7 @@ def choose(
     current: str | None = None,
     lag: int = 0,
     k_sd: int | None = None,
+    horizon: int | None = None,
 ) -> tuple[str, dict[str, float]]:
     """Return the option with the lowest expected seconds per emitted token, and all the scores
     (each option's modelled round time calibrated by its measured / modelled round times).
@@ -308,7 +309,11 @@ def choose(
     `current`: last round's option. From a ready SSD pipeline (`prepared` = 1) only an SSD option, or
     one cheaper by SWITCH_MARGIN, is taken.
     `lag`: tokens the draft has not been fed yet (rounds on borrowed cores leave it idle). SD and SSD
-    feed them first, a one-off cost spread over the switch horizon like the catch-up draft.
+    feed them first, a one-off cost spread over the switch horizon like the catch-up draft, or over the
+    rounds of `horizon` (the tokens the lagging request has left) where those are more: staying on AR or
+    n-gram only grows the backlog, so the choice is SD / SSD for the rest of the request, backlog
+    included, against AR for all of it. Spread over 4 rounds, a backlog of ~30 tokens kept `auto` on AR
+    and n-gram for the rest of a prompt while it grew (session 18: the 1.5B's SD at 35 tok/s, AR at 23).
     `k_sd`: plain SD's draft length if it differs from k (see `best_sd_len`).
     """
     a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.hit_rate(k)
@@ -329,11 +334,17 @@ def choose(
     share_fast = cost.share_primary(k, "fast")
     steady_fast = share_fast * e_sd + (1 - share_fast) * e_fast  # tokens per sequence and round
     first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
+    e_sd_len = expected_tokens(a, k_sd)
+
+    def spread(tokens_per_round: float) -> float:  # rounds the backlog is spread over
+        return max(h, horizon / tokens_per_round) if horizon else h
+
     scores = {
         "ar": t["ar"] / batch,
-        "sd": (t["sd"] + lent_backlog / h) / (batch * expected_tokens(a, k_sd)),
-        "ssd_neural": (t["ssd_neural"] + (catch_up + lent_backlog) / h) / (batch * e_sd),
-        "ssd_fast": (h * t["ssd_fast"] + backlog) / (batch * (first_fast + (h - 1) * steady_fast)),
+        "sd": (t["sd"] + lent_backlog / spread(e_sd_len)) / (batch * e_sd_len),
+        "ssd_neural": (t["ssd_neural"] + catch_up / h + lent_backlog / spread(e_sd)) / (batch * e_sd),
+        "ssd_fast": (h * t["ssd_fast"] + backlog * h / spread(steady_fast))
+        / (batch * (first_fast + (h - 1) * steady_fast)),
         "ngram": t["ngram"] / (batch * expected_tokens(a_ngram, k_ngram)),
     }
     best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])

@@ -230,6 +230,28 @@ def test_policy_prices_the_draft_backlog_of_borrowed_rounds():
     assert lent["ssd_fast"] == lagged["ssd_fast"] and lent["ar"] == base["ar"]
 
 
+def test_a_backlog_is_spread_over_the_rest_of_the_request():
+    """Staying on AR only grows the backlog, so it is priced over the rounds the lagging request has left
+    (never fewer than the switch horizon): a backlog that keeps a short request on AR does not keep a
+    long one there."""
+    from ssd.policy import RATE_ALPHA, SWITCH_HORIZON, RateEma
+
+    c = CostModel()
+    c.v0, c.v1, c.feed = Ema(0.10), Ema(0.02), Ema(0.004)
+    c.acceptance = RateEma(0.8, RATE_ALPHA)
+    c.enable_borrow(0.5)
+    best_base, base = choose(c, 1, 3, prepared=0.0)
+    e_sd = expected_tokens(c.acceptance.value, 3)
+    assert best_base == "sd" and choose(c, 1, 3, prepared=0.0, lag=50)[0] == "ar"
+    short, _ = choose(c, 1, 3, prepared=0.0, lag=50, horizon=3)
+    assert short == "ar"  # as without a horizon: 3 tokens are fewer than the switch horizon's rounds
+    best, spread = choose(c, 1, 3, prepared=0.0, lag=50, horizon=200)
+    rounds = 200 / e_sd
+    assert rounds > SWITCH_HORIZON
+    assert spread["sd"] == pytest.approx(base["sd"] + 50 * 0.004 / rounds / e_sd)
+    assert spread["ar"] == base["ar"] and best == "sd"
+
+
 class TimedHandle:
     """A worker handle whose time_forward answers from a formula (seconds), halved on borrowed cores."""
 
@@ -277,7 +299,8 @@ def test_borrowed_rounds_count_the_draft_backlog_until_a_draft_round_feeds_it(mo
 
     order, lags = itertools.cycle(["ar", "ar", "ngram", "ssd_neural", "ar", "sd"]), []
 
-    def fake_choose(cost, batch, k, allowed, ngram=None, prepared=1.0, current=None, lag=0, k_sd=None):
+    def fake_choose(cost, batch, k, allowed, ngram=None, prepared=1.0, current=None, lag=0, k_sd=None,
+                    horizon=None):
         lags.append(lag)
         return next(order), dict.fromkeys(allowed, 1.0)
 

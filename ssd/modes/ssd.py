@@ -138,13 +138,15 @@ class SSDMode(DraftBackedMode):
             ngram = self._ngram_plan(seqs) if "ngram" in self.allowed else None
             prepared = sum(s.seq_id in self.current for s in seqs) / len(seqs)
             self._prepared = prepared
-            lag = max(self._lag.get(s.seq_id, 0) for s in seqs)
+            lagging = max(seqs, key=lambda s: self._lag.get(s.seq_id, 0))
+            lag = self._lag.get(lagging.seq_id, 0)
             self._round_k, self._round_lag = self.k, lag
             self._sd_k = self.k
             if self.tuner is not None and "sd" in self.allowed:
                 self._sd_k = best_sd_len(self.cost, self.cost.acceptance.value, len(seqs), SD_K_MAX)
             choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared,
-                                              current=self.last_choice or None, lag=lag, k_sd=self._sd_k)
+                                              current=self.last_choice or None, lag=lag, k_sd=self._sd_k,
+                                              horizon=lagging.remaining if lag else None)
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up (from a
             # ready SSD pipeline only the other SSD option, which keeps the prepared speculation).
             self._rounds_since_explore += 1
