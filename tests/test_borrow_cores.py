@@ -252,6 +252,33 @@ def test_a_backlog_is_spread_over_the_rest_of_the_request():
     assert spread["ar"] == base["ar"] and best == "sd"
 
 
+def test_sd_rounds_that_fed_a_backlog_calibrate_without_it():
+    """An SD round that first fed the draft a backlog still calibrates SD's price, with the backlog's
+    modelled feed time taken off; an SSD round that fed one does not count."""
+    from types import SimpleNamespace
+
+    from ssd.modes.ssd import SSDMode
+    from ssd.policy import round_seconds
+
+    def mode(choice: str, lag: int) -> SimpleNamespace:
+        c = CostModel()
+        c.v0, c.v1, c.feed, c.draft_lend = Ema(0.10), Ema(0.02), Ema(0.004), 0.5
+        return SimpleNamespace(last_choice=choice, last_scores=dict.fromkeys(("sd", "ssd_neural"), 1.0), _prepared=1.0,
+                               _round_lag=lag, cost=c, _sd_k=3, _round_k=3, _ngram_k=3, _missed=0.0)
+
+    seqs = [object()]
+    m = mode("sd", 20)
+    predicted = round_seconds(m.cost, "sd", 1, 3)
+    SSDMode._calibrate(m, seqs, predicted + 20 * 0.004 * 0.5)  # on time once the feed is taken off
+    assert m.cost.calibration["sd"].n == 1 and m.cost.calibration["sd"].value == pytest.approx(1.0)
+    m = mode("sd", 20)
+    SSDMode._calibrate(m, seqs, 0.8 * predicted + 20 * 0.004 * 0.5)
+    assert m.cost.calibration["sd"].value < 1.0
+    m = mode("ssd_neural", 20)
+    SSDMode._calibrate(m, seqs, 1.0)
+    assert "ssd_neural" not in m.cost.calibration
+
+
 class TimedHandle:
     """A worker handle whose time_forward answers from a formula (seconds), halved on borrowed cores."""
 
