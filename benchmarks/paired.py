@@ -1,0 +1,139 @@
+"""Modes compared prompt by prompt: every mode's engine stays up, and each prompt runs in every mode before
+the next prompt starts, in a rotating order.
+
+`bench.py` runs one mode over all prompts, then the next: on these shared machines the speed drifts by
+10-30 % between such blocks (session 18), more than most policy changes move a ratio. Here each prompt's
+decode rates in the modes are measured minutes apart at most, and the summary is paired: the ratio of
+every mode's decode time to the first mode's on the same prompt (geometric mean over prompts), and the
+ratio of the totals.
+
+    python benchmarks/paired.py --modes sd,auto --placement b --raw-humaneval --max-tokens 96 \\
+        --quantization w4a8 --draft-vocab 32768 --out results/paired.json
+
+Greedy, batch 1; the outputs of every mode must be equal token for token (they are checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench import as_fed, placement_kwargs  # noqa: E402
+from prompts import humaneval, humaneval_raw, mtbench  # noqa: E402
+
+from ssd import LLM, SamplingParams  # noqa: E402
+
+
+def rotation(modes: list[str], i: int) -> list[str]:
+    """The order of the modes for prompt i: each mode goes first, second, ... equally often."""
+    j = i % len(modes)
+    return modes[j:] + modes[:j]
+
+
+def summary(per_prompt: list[dict[str, dict]], base: str) -> dict[str, dict]:
+    """Per mode: total decode tokens / seconds, and against `base` the geometric mean of the per-prompt
+    ratios of decode rates and the ratio of the total rates."""
+    modes = list(per_prompt[0])
+    out = {}
+    for m in modes:
+        n = sum(p[m]["decode_tokens"] for p in per_prompt)
+        s = sum(p[m]["decode_s"] for p in per_prompt)
+        logs = [math.log((p[m]["decode_tokens"] / p[m]["decode_s"]) / (p[base]["decode_tokens"] / p[base]["decode_s"]))
+                for p in per_prompt]
+        n0 = sum(p[base]["decode_tokens"] for p in per_prompt)
+        s0 = sum(p[base]["decode_s"] for p in per_prompt)
+        out[m] = {"decode_tokens_per_s": round(n / s, 2), "vs_base_geomean": round(math.exp(sum(logs) / len(logs)), 3),
+                  "vs_base_total": round((n / s) / (n0 / s0), 3)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen-coder-1.5b")
+    ap.add_argument("--draft", default="qwen-coder-0.5b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--draft-vocab", type=int, default=None)
+    ap.add_argument("--modes", default="sd,auto", help="the first is the base of the ratios")
+    ap.add_argument("--placement", default="b", choices=("a", "b"))
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--n-humaneval", type=int, default=0)
+    ap.add_argument("--n-mtbench", type=int, default=0)
+    ap.add_argument("--raw-humaneval", action="store_true", help="HumanEval 10-15 as raw prompts")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
+    ap.add_argument("--out", default="results/paired.json")
+    args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    sets: dict[str, list[str]] = {}
+    if args.n_humaneval:
+        sets["humaneval"] = humaneval(args.n_humaneval)
+    if args.n_mtbench:
+        sets["mtbench"] = mtbench(args.n_mtbench)
+    if args.raw_humaneval:
+        sets["humaneval_raw"] = humaneval_raw(6, start=10)
+    if not sets:
+        ap.error("no prompts: give --n-humaneval, --n-mtbench or --raw-humaneval")
+    cores = sorted(os.sched_getaffinity(0))
+    extra = {"quantization": args.quantization} if args.quantization else {}
+    if args.draft_vocab:
+        extra["draft_vocab"] = args.draft_vocab
+    import ray
+
+    # Every mode's engine stays up: Ray must have room for all their actors' reservations (each worker
+    # pins itself to its cores whatever Ray books).
+    ray.init(num_cpus=len(cores) * len(modes), include_dashboard=False, log_to_driver=False, logging_level="warning")
+    llms = {}
+    try:
+        for m in modes:
+            draft = None if m in ("ar", "ngram") else args.draft
+            llms[m] = LLM(target=args.target, draft=draft, mode=m, dtype=args.dtype, max_batch=1, max_len=2048,
+                          use_ray=True, **placement_kwargs(args.placement, m, cores), **extra)
+            warm = as_fed(llms[m].tokenizer, "warm-up", ["hello"])
+            llms[m].generate(warm, SamplingParams(temperature=0, max_tokens=8))
+        tok = llms[modes[0]].tokenizer
+        per_prompt: list[dict[str, dict]] = []
+        results: dict = {"args": vars(args), "prompts": []}
+        t0 = time.perf_counter()
+        for r in range(args.repeats):
+            for name, texts in sets.items():
+                for i, text in enumerate(as_fed(tok, name, texts)):
+                    row: dict[str, dict] = {}
+                    for m in rotation(modes, len(per_prompt)):
+                        before = llms[m].stats()["policy"]
+                        o = llms[m].generate([text], SamplingParams(temperature=0, max_tokens=args.max_tokens))[0]
+                        after = llms[m].stats()["policy"]
+                        row[m] = {"decode_tokens": len(o.token_ids) - 1,
+                                  "decode_s": o.metrics["latency_s"] - o.metrics["ttft_s"],
+                                  "token_ids": list(o.token_ids),
+                                  "policy": {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}}
+                    same = all(row[m]["token_ids"] == row[modes[0]]["token_ids"] for m in modes)
+                    per_prompt.append(row)
+                    results["prompts"].append({"set": name, "index": i, "repeat": r, "same_tokens": same, **row})
+                    rates = "  ".join(f"{m} {row[m]['decode_tokens'] / row[m]['decode_s']:6.2f}" for m in modes)
+                    print(f"  {name} {i} (pass {r}): {rates} decode tok/s{'' if same else '  OUTPUTS DIFFER'}",
+                          flush=True)
+        results["summary"] = summary(per_prompt, modes[0])
+        results["seconds"] = round(time.perf_counter() - t0, 1)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+        ray.shutdown()
+    print(f"\n| mode | decode tok/s | vs {modes[0]} (geomean of prompts) | vs {modes[0]} (totals) |")
+    print("|---|---|---|---|")
+    for m, s in results["summary"].items():
+        print(f"| {m} | {s['decode_tokens_per_s']} | {s['vs_base_geomean']}x | {s['vs_base_total']}x |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+    return 0 if all(p["same_tokens"] for p in results["prompts"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
