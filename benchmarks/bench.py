@@ -136,14 +136,31 @@ def run_transformers(args, prompts: dict[str, list[str]], threads: int, assisted
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The target / draft pair and how it is stored (shared with paired.py)."""
     ap.add_argument("--target", default="qwen-coder-1.5b")
     ap.add_argument("--draft", default="qwen-coder-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=None)
-    ap.add_argument("--draft-quantization", default=None, help="the draft's own (default: --quantization)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="the draft proposes only the first N token ids")
+
+
+def prompt_sets(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The prompt sets asked for (--n-humaneval, --n-mtbench, --raw-humaneval), by name."""
+    sets: dict[str, list[str]] = {}
+    if args.n_humaneval:
+        sets["humaneval"] = humaneval(args.n_humaneval)
+    if args.n_mtbench:
+        sets["mtbench"] = mtbench(args.n_mtbench)
+    if args.raw_humaneval:
+        sets["humaneval_raw"] = humaneval_raw(6, start=10)
+    return sets
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--draft-quantization", default=None, help="the draft's own (default: --quantization)")
     ap.add_argument("--k", type=int, default=None)
     ap.add_argument("--modes", default="ar,sd,ngram,ssd,auto")
     ap.add_argument("--placements", default="a,b")
@@ -164,13 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--llama-cpp runs llama.cpp on all cores, next to placement b: add b to --placements")
     if args.quick:
         args.n_humaneval, args.n_mtbench, args.max_tokens = 3, 2, 64
-    prompts: dict[str, list[str]] = {}
-    if args.n_humaneval:
-        prompts["humaneval"] = humaneval(args.n_humaneval)
-    if args.n_mtbench:
-        prompts["mtbench"] = mtbench(args.n_mtbench)
-    if args.raw_humaneval:
-        prompts["humaneval_raw"] = humaneval_raw(6, start=10)
+    prompts = prompt_sets(args)
     results: dict = {"args": vars(args), "runs": []}
     for placement in args.placements.split(","):
         for temperature in [float(t) for t in args.temperatures.split(",")]:

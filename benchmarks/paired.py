@@ -25,8 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench import as_fed, placement_kwargs  # noqa: E402
-from prompts import humaneval, humaneval_raw, mtbench  # noqa: E402
+from bench import add_model_args, as_fed, placement_kwargs, prompt_sets  # noqa: E402
 
 from ssd import LLM, SamplingParams  # noqa: E402
 
@@ -56,11 +55,7 @@ def summary(per_prompt: list[dict[str, dict]], base: str) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="qwen-coder-1.5b")
-    ap.add_argument("--draft", default="qwen-coder-0.5b")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quantization", default=None)
-    ap.add_argument("--draft-vocab", type=int, default=None)
+    add_model_args(ap)
     ap.add_argument("--modes", default="sd,auto", help="the first is the base of the ratios")
     ap.add_argument("--placement", default="b", choices=("a", "b"))
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -71,13 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/paired.json")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    sets: dict[str, list[str]] = {}
-    if args.n_humaneval:
-        sets["humaneval"] = humaneval(args.n_humaneval)
-    if args.n_mtbench:
-        sets["mtbench"] = mtbench(args.n_mtbench)
-    if args.raw_humaneval:
-        sets["humaneval_raw"] = humaneval_raw(6, start=10)
+    sets = prompt_sets(args)
     if not sets:
         ap.error("no prompts: give --n-humaneval, --n-mtbench or --raw-humaneval")
     cores = sorted(os.sched_getaffinity(0))
