@@ -224,6 +224,11 @@ class CostModel:
         if k > 1:
             self.draft_step.update(max(1e-6, self.draft_step.value + 0.5 * err / k))
 
+    def backlog_time(self, lag: int, lent: bool) -> float:
+        """Seconds for the draft to feed `lag` tokens it has not seen; `lent`: in a just-in-time draft on the
+        target's cores too."""
+        return lag * self.feed.value * (self.draft_lend if lent else 1.0)
+
     def verify_time(self, n_tokens: int) -> float:
         return max(self.v0.value + self.v1.value * n_tokens, 1e-6)
 
@@ -328,8 +333,8 @@ def choose(
     t = {o: round_seconds(cost, o, batch, k_sd if o == "sd" else k, k_ngram, missed=1 - all_hit)
          * cost.calibration_factor(o) for o in OPTIONS}
     h = SWITCH_HORIZON
-    backlog = lag * cost.feed.value  # the draft's first forward feeds the tokens it has not seen
-    lent_backlog = backlog * cost.draft_lend  # ... in a just-in-time draft (SD, SSD's catch-up)
+    backlog = cost.backlog_time(lag, lent=False)  # the draft's first forward feeds the tokens it has not seen
+    lent_backlog = cost.backlog_time(lag, lent=True)  # ... in a just-in-time draft (SD, SSD's catch-up)
     catch_up = t_draft if prepared < 1.0 else 0.0  # one batched just-in-time draft for the unprepared
     share_fast = cost.share_primary(k, "fast")
     steady_fast = share_fast * e_sd + (1 - share_fast) * e_fast  # tokens per sequence and round

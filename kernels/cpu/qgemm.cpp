@@ -1041,32 +1041,43 @@ void ssd_linear_dense(const void* x, int x_bf16, int M, int N, int K, const void
 }  // extern "C"
 
 namespace ssd_team {
+namespace {
+
+// Thread 0 prepares the input (`prepare()` returns it on the heap) and hands it out through `shared`; every
+// thread runs `part(input)`; once all are done thread 0 frees it (`release(input)`).
+template <class Prepare, class Part, class Release>
+void shared_input(const Team& tm, void** shared, Prepare prepare, Part part, Release release) {
+    if (tm.t == 0) *shared = prepare();
+    tm.sync();
+    auto* input = static_cast<decltype(prepare())>(*shared);
+    part(*input);
+    tm.sync();
+    if (tm.t == 0) release(input);
+}
+
+}  // namespace
 
 void linear(const Team& tm, void** shared, const void* x, int M, int N, int K, const uint8_t* w,
             const uint16_t* scale, const uint16_t* offset, int fmt, void* y, int bf16) {
-    if (tm.t == 0) *shared = new QActs(quantized_acts(x, bf16, M, K, fmt));
-    tm.sync();
-    block_gemm_part(w, scale, offset, fmt, *static_cast<const QActs*>(*shared), M, N, K, y, bf16, tm.t, tm.nt);
-    tm.sync();
-    if (tm.t == 0) {
-        QActs* a = static_cast<QActs*>(*shared);
-        free_acts(*a);
-        delete a;
-    }
+    shared_input(
+        tm, shared, [&] { return new QActs(quantized_acts(x, bf16, M, K, fmt)); },
+        [&](const QActs& a) { block_gemm_part(w, scale, offset, fmt, a, M, N, K, y, bf16, tm.t, tm.nt); },
+        [](QActs* a) {
+            free_acts(*a);
+            delete a;
+        });
 }
 
 void linear_dense(const Team& tm, void** shared, const void* x, int x_bf16, int M, int N, int K, const void* w,
                   int w_bf16, const void* bias, void* y) {
-    if (tm.t == 0) *shared = new DenseInput(dense_input(x, x_bf16, M, N, K, w_bf16, bias));
-    tm.sync();
-    dense_part(w, w_bf16, *static_cast<const DenseInput*>(*shared), M, N, K, y, x_bf16, tm.t, tm.nt);
-    tm.sync();
-    if (tm.t == 0) {
-        DenseInput* in = static_cast<DenseInput*>(*shared);
-        free(in->xf);
-        free(in->bias);
-        delete in;
-    }
+    shared_input(
+        tm, shared, [&] { return new DenseInput(dense_input(x, x_bf16, M, N, K, w_bf16, bias)); },
+        [&](const DenseInput& in) { dense_part(w, w_bf16, in, M, N, K, y, x_bf16, tm.t, tm.nt); },
+        [](DenseInput* in) {
+            free(in->xf);
+            free(in->bias);
+            delete in;
+        });
 }
 
 }  // namespace ssd_team

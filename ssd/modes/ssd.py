@@ -180,7 +180,7 @@ class SSDMode(DraftBackedMode):
         if choice not in self.last_scores or (choice.startswith("ssd") and self._prepared < 1.0):
             return
         if self._round_lag and choice == "sd":
-            seconds -= self._round_lag * self.cost.feed.value * self.cost.draft_lend
+            seconds -= self.cost.backlog_time(self._round_lag, lent=True)
             if seconds <= 0:
                 return
         elif self._round_lag and choice not in ("ar", "ngram"):
