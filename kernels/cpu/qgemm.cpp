@@ -38,7 +38,8 @@
 // decoding bit for bit. Build with -ffp-contract=off so the compiler cannot fuse differently in
 // different instantiations.
 //
-// The AVX-512 build runs two tiles at once in 512-bit vectors (tile2_dot), up to 8 activation rows per
+// The AVX-512 build runs two tiles at once in 512-bit vectors (tile2_dot) for products of 5 or more
+// rows (fewer: tile_dot, see tile_gemm_part), up to 8 activation rows per
 // pass: each lane does what tile_dot does for its row, so the bits are the same as the other builds'.
 // Its q8 rows take two blocks per vector (row_dot_q8_512), with the same integer sums and float steps.
 //
@@ -118,45 +119,31 @@ inline void dot4_f32(const float* a, int stride, const float* b, int n, float* o
 
 // Quantised activations as the kernels read them: xq [M, nbp * 32], dx and sx [M, nbp], nbp = blocks
 // rounded up to a whole group of 8, zero padded; for q6 also sx16 [M, nbp, 2] = dx * sum(xq) per
-// half block (q6 has a scale per 16 weights).
+// half block (q6 has a scale per 16 weights). (Block-major order, a block's rows side by side, measured
+// slower in 8-row forwards.)
 struct QActs {
     int8_t* xq;
     float* dx;
     float* sx;
     float* sx16;
     int nbp;
-    uint8_t* xu;  // xq + 128 as unsigned bytes (the AVX-512 q8 path), or nullptr
+    uint8_t* xu;  // xq + 128 as unsigned bytes (AVX-512 q8 path: no byte sign instruction), or nullptr
 };
 
-QActs pack_acts(const int8_t* xq, const float* dx, const float* sx, int M, int K, bool halves) {
-    const int nb = K / QK, nbp = (nb + 7) / 8 * 8;
-    QActs a{static_cast<int8_t*>(calloc(static_cast<size_t>(M) * nbp * QK, 1)),
-            static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))),
-            static_cast<float*>(calloc(static_cast<size_t>(M) * nbp, sizeof(float))),
-            halves ? static_cast<float*>(calloc(static_cast<size_t>(M) * nbp * 2, sizeof(float))) : nullptr, nbp,
-            nullptr};
-    for (int m = 0; m < M; ++m) {
-        memcpy(a.xq + static_cast<size_t>(m) * nbp * QK, xq + static_cast<size_t>(m) * K, static_cast<size_t>(K));
-        memcpy(a.dx + static_cast<size_t>(m) * nbp, dx + static_cast<size_t>(m) * nb, sizeof(float) * nb);
-        memcpy(a.sx + static_cast<size_t>(m) * nbp, sx + static_cast<size_t>(m) * nb, sizeof(float) * nb);
-        if (halves)
-            for (int b = 0; b < nb; ++b)
-                for (int h = 0; h < 2; ++h) {
-                    const int8_t* x = xq + static_cast<size_t>(m) * K + b * QK + 16 * h;
-                    int sum = 0;
-                    for (int j = 0; j < 16; ++j) sum += x[j];
-                    const size_t at = static_cast<size_t>(m) * nbp + b;
-                    a.sx16[2 * at + h] = a.dx[at] * static_cast<float>(sum);
-                }
+inline size_t act_at(const QActs& a, int m, int b) { return static_cast<size_t>(m) * a.nbp + b; }
+
+// Zeroed activations (the padding blocks stay zero) of M rows of K.
+QActs alloc_acts(int M, int K, bool halves, bool unsigned_too) {
+    const int nbp = (K / QK + 7) / 8 * 8;
+    const size_t n = static_cast<size_t>(M) * nbp;
+    QActs a{static_cast<int8_t*>(calloc(n * QK, 1)), static_cast<float*>(calloc(n, sizeof(float))),
+            static_cast<float*>(calloc(n, sizeof(float))),
+            halves ? static_cast<float*>(calloc(n * 2, sizeof(float))) : nullptr, nbp, nullptr};
+    if (unsigned_too) {  // zero codes offset to unsigned: the padding blocks
+        a.xu = static_cast<uint8_t*>(malloc(n * QK));
+        memset(a.xu, 128, n * QK);
     }
     return a;
-}
-
-// For the AVX-512 q8 path, which has no byte sign instruction: the activations offset to unsigned.
-void add_unsigned_acts(QActs& a, int M) {
-    const size_t n = static_cast<size_t>(M) * a.nbp * QK;
-    a.xu = static_cast<uint8_t*>(malloc(n));
-    for (size_t i = 0; i < n; ++i) a.xu[i] = static_cast<uint8_t>(a.xq[i] + 128);
 }
 
 void free_acts(QActs& a) {
@@ -217,7 +204,7 @@ inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int
         const __m256 s8 = load_scales(sc + g, cnt);
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
-            const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
+            const size_t at = act_at(a, m0 + i, g);
             const int8_t* x = a.xq + at * QK;
             // Lanes of q0: low halves of blocks 0..3, then their high halves; q1: blocks 4..7.
             const __m256i q0 = sum4_halves(block(0, x), block(1, x), block(2, x), block(3, x));
@@ -263,7 +250,7 @@ inline void row_dot_q8_512(const uint8_t* w, const uint16_t* sc, const QActs& a,
         const __m256 s8 = load_scales(sc + g, cnt);
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
-            const size_t at = static_cast<size_t>(m0 + i) * a.nbp + g;
+            const size_t at = act_at(a, m0 + i, g);
             const uint8_t* x = a.xu + at * QK;
             __m512i d[4];
             for (int j = 0; j < 4; ++j)
@@ -311,14 +298,6 @@ inline void prefetch_block(const uint8_t* w, const uint16_t* sc, const uint16_t*
             _mm_prefetch(reinterpret_cast<const char*>(sc + b * parts * 8) + pf / 8 + 64 * q, _MM_HINT_T0);
         if (FMT == FMT_Q4) _mm_prefetch(reinterpret_cast<const char*>(oc + b * 8) + pf / 8, _MM_HINT_T0);
     }
-}
-
-// Activations 8c..8c+3 and 8c+4..8c+7 of block b of row m as two 32-bit words (the kernels broadcast each
-// to every lane).
-inline void act_words(const QActs& a, int m, int b, int c, int32_t& lo, int32_t& hi) {
-    const int8_t* x = a.xq + (static_cast<size_t>(m) * a.nbp + b) * QK + 8 * c;
-    memcpy(&lo, x, 4);
-    memcpy(&hi, x + 4, 4);
 }
 
 // The one-tile (256-bit) and two-tile (512-bit) kernels unpack codes alike; these overloads let one
@@ -370,9 +349,11 @@ inline void unpack_codes(Load load, int part, V* lo, V* hi) {
     }
 }
 
+// noinline (also tile2_dot): inlined, the kernel's registers were allocated anew in each caller, and one
+// arrangement of the callers ran q6's 8-row loop 1.6x slower.
 template <int FMT, int R>
-inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a, int m0, int nb,
-                     float* out, int pf) {
+__attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, const QActs& a,
+                                        int m0, int nb, float* out, int pf) {
     constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
     constexpr int chunks = 4 / parts;  // chunks of 8 weights per scale
     __m256 acc[R];
@@ -382,6 +363,7 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, c
         const uint8_t* wb = w + static_cast<size_t>(b) * block_bytes;
         if (pf != 0) prefetch_block<FMT>(w, sc, oc, b, pf);
         auto load = [&](int off) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + off)); };
+#pragma GCC unroll 2  // a compile-time part keeps q6's high-bit planes in registers
         for (int part = 0; part < parts; ++part) {
             // int16 lanes 2r, 2r + 1 (int32 lane r) hold weight row r's partial sums; widened to int32
             // before they could overflow (q4: after 8 maddubs, 8 * 2 * 15 * 127 < 2^15; q5: after 4,
@@ -392,14 +374,17 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, c
             for (int i = 0; i < R; ++i) sum16[i] = sum32[i] = _mm256_setzero_si256();
             __m256i lo[chunks], hi[chunks];
             unpack_codes<FMT>(load, part, lo, hi);
+            const size_t at0 = act_at(a, m0, b), rs = a.nbp;  // the pass's rows of block b, nbp blocks apart
+            const int8_t* xb = a.xq + at0 * QK;
 #pragma GCC unroll 4
             for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 4
                 for (int cc = 0; cc < chunks; ++cc) {
                     const int c = part * chunks + cc;
                     const bool widen = FMT == FMT_Q4 ? c == 3 : FMT == FMT_Q5 ? c % 2 == 1 : true;
-                    int32_t x_lo, x_hi;
-                    act_words(a, m0 + i, b, c, x_lo, x_hi);
+                    int32_t x_lo, x_hi;  // activations 8c..8c+3 and 8c+4..8c+7, broadcast to every lane
+                    memcpy(&x_lo, xb + QK * rs * i + 8 * c, 4);
+                    memcpy(&x_hi, xb + QK * rs * i + 8 * c + 4, 4);
 #if SSD_VNNI
                     // No int16 stage: low and high nibbles go to two int32 chains (half the dependent
                     // latency), added up below.
@@ -424,7 +409,7 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, c
                                             : _mm256_mul_ps(s8, _mm256_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
 #pragma GCC unroll 4
             for (int i = 0; i < R; ++i) {
-                const size_t at = static_cast<size_t>(m0 + i) * a.nbp + b;
+                const size_t at = at0 + rs * i;
                 const float sx = FMT == FMT_Q6 ? a.sx16[2 * at + part] : a.sx[at];
                 acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_set1_ps(a.dx[at])), _mm256_cvtepi32_ps(sum32[i]), acc[i]);
                 acc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(sx), acc[i]);
@@ -467,8 +452,9 @@ inline __m512i dpbusd_bcast(__m512i sum, __m512i w, const int8_t* x) {
 // Tiles at wa and wb (scales sa, sb; q4 offsets oa, ob) against R activation rows: out[16 i + r] =
 // tile A's row r, out[16 i + 8 + r] = tile B's.
 template <int FMT, int R>
-inline void tile2_dot(const uint8_t* wa, const uint8_t* wb, const uint16_t* sa, const uint16_t* sb, const uint16_t* oa,
-                      const uint16_t* ob, const QActs& a, int m0, int nb, float* out, int pf) {
+__attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, const uint16_t* sa,
+                                         const uint16_t* sb, const uint16_t* oa, const uint16_t* ob, const QActs& a,
+                                         int m0, int nb, float* out, int pf) {
     constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
     constexpr int chunks = 4 / parts;
     __m512 acc[R];
@@ -481,16 +467,23 @@ inline void tile2_dot(const uint8_t* wa, const uint8_t* wb, const uint16_t* sa, 
             prefetch_block<FMT>(wb, sb, ob, b, pf);
         }
         auto load = [&](int off) { return load2(ba + off, bb + off); };
+#pragma GCC unroll 2  // a compile-time part keeps q6's high-bit planes in registers
         for (int part = 0; part < parts; ++part) {
             __m512i lo[chunks], hi[chunks];
             unpack_codes<FMT>(load, part, lo, hi);
             const __m512 s16 = load_half2(sa + (b * parts + part) * 8, sb + (b * parts + part) * 8);
             const __m512 o16 = FMT == FMT_Q4 ? load_half2(oa + b * 8, ob + b * 8)
                                              : _mm512_mul_ps(s16, _mm512_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
+            // The pass's rows of block b, nbp blocks apart: computed from one pointer each (not per row,
+            // which took ~40 % of the instructions of q6's 8-row loop, half of them stack spills).
+            const size_t at0 = act_at(a, m0, b), rs = a.nbp;
+            const int8_t* xb = a.xq + at0 * QK + 8 * part * chunks;
+            const float* dxb = a.dx + at0;
+            const float* sxb = FMT == FMT_Q6 ? a.sx16 + 2 * at0 + part : a.sx + at0;
 #pragma GCC unroll 8
             for (int i = 0; i < R; ++i) {
                 __m512i sum_lo = _mm512_setzero_si512(), sum_hi = _mm512_setzero_si512();
-                const int8_t* x = a.xq + (static_cast<size_t>(m0 + i) * a.nbp + b) * QK + 8 * part * chunks;
+                const int8_t* x = xb + QK * rs * i;
 #pragma GCC unroll 4
                 for (int cc = 0; cc < chunks; ++cc) {
                     sum_lo = dpbusd_bcast(sum_lo, lo[cc], x + 8 * cc);
@@ -499,10 +492,9 @@ inline void tile2_dot(const uint8_t* wa, const uint8_t* wb, const uint16_t* sa, 
                     else  // 5-8 rows are enough independent chains; one saves the add
                         sum_lo = dpbusd_bcast(sum_lo, hi[cc], x + 8 * cc + 4);
                 }
-                const size_t at = static_cast<size_t>(m0 + i) * a.nbp + b;
-                const float sx = FMT == FMT_Q6 ? a.sx16[2 * at + part] : a.sx[at];
+                const float sx = sxb[(FMT == FMT_Q6 ? 2 : 1) * rs * i];
                 const __m512i sum = R <= 4 ? _mm512_add_epi32(sum_lo, sum_hi) : sum_lo;
-                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s16, _mm512_set1_ps(a.dx[at])), _mm512_cvtepi32_ps(sum), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s16, _mm512_set1_ps(dxb[rs * i])), _mm512_cvtepi32_ps(sum), acc[i]);
                 acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(sx), acc[i]);
             }
         }
@@ -513,75 +505,97 @@ inline void tile2_dot(const uint8_t* wa, const uint8_t* wb, const uint16_t* sa, 
 #define SSD_TILE2 0
 #endif
 
-// q4, q5, q6: tiles of 8 rows split between threads; up to 4 activation rows per pass over a tile
-// (AVX-512: pairs of tiles, up to 8 rows per pass; an odd last tile goes alone).
-// Thread t of nt computes its contiguous share of the tiles.
+// q4, q5, q6: tiles of 8 rows split between threads; thread t of nt computes its contiguous share of the
+// tiles. One tile at a time, up to 4 activation rows per pass (tile_dot), or in the AVX-512 build pairs
+// of tiles, up to 8 rows per pass (tile2_dot; an odd last tile goes alone) where a pass has 5 or more rows:
+// with fewer the pairs ran slower than single tiles (1.5B decode, 1 thread: 45.4 ms against 59.9; a pair
+// reads 6 streams where a single tile reads 3, and for K = 1536 each is only 6 KiB long).
+template <int FMT>
+void single_tiles(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N,
+                  int K, void* y, int y_bf16, int tile, int t1) {
+    constexpr int RC = 4, block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
+    const int nb = K / QK;
+    alignas(64) float part[RC * 8];
+    for (; tile < t1; ++tile) {
+        const uint8_t* wt = w + static_cast<size_t>(tile) * nb * block_bytes;
+        const uint16_t* st = scale + static_cast<size_t>(tile) * nb * parts * 8;
+        const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
+        const int rows = N - 8 * tile < 8 ? N - 8 * tile : 8;
+        for (int m0 = 0; m0 < M; m0 += RC) {
+            const int pf = m0 == 0 ? 8192 : 0;  // the first pass streams the weights from memory
+            switch (M - m0 < RC ? M - m0 : RC) {
+                case 1: tile_dot<FMT, 1>(wt, st, ot, a, m0, nb, part, pf); break;
+                case 2: tile_dot<FMT, 2>(wt, st, ot, a, m0, nb, part, pf); break;
+                case 3: tile_dot<FMT, 3>(wt, st, ot, a, m0, nb, part, pf); break;
+                default: tile_dot<FMT, 4>(wt, st, ot, a, m0, nb, part, pf); break;
+            }
+            for (int i = 0; i < RC && m0 + i < M; ++i)
+                for (int r = 0; r < rows; ++r) {
+                    const size_t at = static_cast<size_t>(m0 + i) * N + 8 * tile + r;
+                    if (y_bf16)
+                        static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[8 * i + r]);
+                    else
+                        static_cast<float*>(y)[at] = part[8 * i + r];
+                }
+        }
+    }
+}
+
+#if SSD_TILE2
+template <int FMT>
+void tile_pairs(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N, int K,
+                void* y, int y_bf16, int t0, int t1) {
+    constexpr int RC2 = 8, block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
+    const int nb = K / QK;
+    alignas(64) float part[RC2 * 16];
+    int tile = t0;
+    for (; tile + 1 < t1; tile += 2) {
+        const uint8_t* wt = w + static_cast<size_t>(tile) * nb * block_bytes;
+        const uint16_t* st = scale + static_cast<size_t>(tile) * nb * parts * 8;
+        const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
+        const uint8_t* wt2 = wt + static_cast<size_t>(nb) * block_bytes;
+        const uint16_t* st2 = st + static_cast<size_t>(nb) * parts * 8;
+        const uint16_t* ot2 = FMT == FMT_Q4 ? ot + static_cast<size_t>(nb) * 8 : nullptr;
+        const int rows = N - 8 * tile < 16 ? N - 8 * tile : 16;
+        for (int m0 = 0; m0 < M; m0 += RC2) {
+            const int pf = m0 == 0 ? 8192 : 0;  // per stream: both tiles stream from memory
+            switch (M - m0 < RC2 ? M - m0 : RC2) {
+                case 1: tile2_dot<FMT, 1>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
+                case 2: tile2_dot<FMT, 2>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
+                case 3: tile2_dot<FMT, 3>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
+                case 4: tile2_dot<FMT, 4>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
+                case 5: tile2_dot<FMT, 5>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
+                case 6: tile2_dot<FMT, 6>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
+                case 7: tile2_dot<FMT, 7>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
+                default: tile2_dot<FMT, 8>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
+            }
+            for (int i = 0; i < RC2 && m0 + i < M; ++i)
+                for (int r = 0; r < rows; ++r) {
+                    const size_t at = static_cast<size_t>(m0 + i) * N + 8 * tile + r;
+                    if (y_bf16)
+                        static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[16 * i + r]);
+                    else
+                        static_cast<float*>(y)[at] = part[16 * i + r];
+                }
+        }
+    }
+    if (tile < t1) single_tiles<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, tile, t1);
+}
+#endif
+
 template <int FMT>
 void tile_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N,
                     int K, void* y, int y_bf16, int t, int nt) {
-    constexpr int RC = 4, RC2 = 8, block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
-    const int nb = K / QK, tiles = (N + 7) / 8;
-    {
-        const int t0 = static_cast<int>(static_cast<int64_t>(tiles) * t / nt);
-        const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (t + 1) / nt);
-        alignas(64) float part[RC2 * 16];
-        int tile = t0;
+    const int tiles = (N + 7) / 8;
+    const int t0 = static_cast<int>(static_cast<int64_t>(tiles) * t / nt);
+    const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (t + 1) / nt);
 #if SSD_TILE2
-        for (; tile + 1 < t1; tile += 2) {
-            const uint8_t* wt = w + static_cast<size_t>(tile) * nb * block_bytes;
-            const uint16_t* st = scale + static_cast<size_t>(tile) * nb * parts * 8;
-            const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
-            const uint8_t* wt2 = wt + static_cast<size_t>(nb) * block_bytes;
-            const uint16_t* st2 = st + static_cast<size_t>(nb) * parts * 8;
-            const uint16_t* ot2 = FMT == FMT_Q4 ? ot + static_cast<size_t>(nb) * 8 : nullptr;
-            const int rows = N - 8 * tile < 16 ? N - 8 * tile : 16;
-            for (int m0 = 0; m0 < M; m0 += RC2) {
-                const int pf = m0 == 0 ? 8192 : 0;  // per stream: both tiles stream from memory
-                switch (M - m0 < RC2 ? M - m0 : RC2) {
-                    case 1: tile2_dot<FMT, 1>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                    case 2: tile2_dot<FMT, 2>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                    case 3: tile2_dot<FMT, 3>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                    case 4: tile2_dot<FMT, 4>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                    case 5: tile2_dot<FMT, 5>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                    case 6: tile2_dot<FMT, 6>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                    case 7: tile2_dot<FMT, 7>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                    default: tile2_dot<FMT, 8>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                }
-                for (int i = 0; i < RC2 && m0 + i < M; ++i)
-                    for (int r = 0; r < rows; ++r) {
-                        const size_t at = static_cast<size_t>(m0 + i) * N + 8 * tile + r;
-                        if (y_bf16)
-                            static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[16 * i + r]);
-                        else
-                            static_cast<float*>(y)[at] = part[16 * i + r];
-                    }
-            }
-        }
-#endif
-        for (; tile < t1; ++tile) {
-            const uint8_t* wt = w + static_cast<size_t>(tile) * nb * block_bytes;
-            const uint16_t* st = scale + static_cast<size_t>(tile) * nb * parts * 8;
-            const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
-            const int rows = N - 8 * tile < 8 ? N - 8 * tile : 8;
-            for (int m0 = 0; m0 < M; m0 += RC) {
-                const int pf = m0 == 0 ? 8192 : 0;  // the first pass streams the weights from memory
-                switch (M - m0 < RC ? M - m0 : RC) {
-                    case 1: tile_dot<FMT, 1>(wt, st, ot, a, m0, nb, part, pf); break;
-                    case 2: tile_dot<FMT, 2>(wt, st, ot, a, m0, nb, part, pf); break;
-                    case 3: tile_dot<FMT, 3>(wt, st, ot, a, m0, nb, part, pf); break;
-                    default: tile_dot<FMT, 4>(wt, st, ot, a, m0, nb, part, pf); break;
-                }
-                for (int i = 0; i < RC && m0 + i < M; ++i)
-                    for (int r = 0; r < rows; ++r) {
-                        const size_t at = static_cast<size_t>(m0 + i) * N + 8 * tile + r;
-                        if (y_bf16)
-                            static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[8 * i + r]);
-                        else
-                            static_cast<float*>(y)[at] = part[8 * i + r];
-                    }
-            }
-        }
+    if (M >= 5) {
+        tile_pairs<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, t0, t1);
+        return;
     }
+#endif
+    single_tiles<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, t0, t1);
 }
 
 // The build's q8 row kernel.
@@ -777,66 +791,89 @@ void dense_gemm_part(const void* w, const float* xf, const float* bias, int M, i
 
 }  // namespace
 
+namespace {
+
+// One block of 32 activations (from element `at` of x) to int8: q = round_half_even(x * (1 / d)), d = absmax / 127
+// (an all-zero block gives d = 0, q = 0), s = d * sum(q); with `halves`, d * sum(q) of each half of 16 as well.
+inline void quantize_block(const void* x, int x_bf16, size_t at, int8_t* q_out, float& d_out, float& s_out,
+                           float* halves) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j)
+        v[j] = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                            reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at + 8 * j))), 16))
+                      : _mm256_loadu_ps(static_cast<const float*>(x) + at + 8 * j);
+    // max is exact, so the lane order of this reduction cannot change amax.
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                              _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float d = _mm_cvtss_f32(h) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // packs work per 128-bit half: the dwords come out as q0[0:4], q1[0:4], q2[0:4], q3[0:4],
+    // q0[4:8], ...; one dword permute restores element order (values fit: |q| <= 127).
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q_out), bytes);
+    // Integer sums are exact: any grouping gives the same totals.
+    auto sum8 = [](__m256i v8) {
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v8), _mm256_extracti128_si256(v8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        return _mm_cvtsi128_si32(s4);
+    };
+    const int lo = sum8(_mm256_add_epi32(q[0], q[1])), hi = sum8(_mm256_add_epi32(q[2], q[3]));
+    d_out = d;
+    s_out = d * static_cast<float>(lo + hi);
+    if (halves != nullptr) {
+        halves[0] = d * static_cast<float>(lo);
+        halves[1] = d * static_cast<float>(hi);
+    }
+}
+
+}  // namespace
+
 extern "C" {
 
 // x [M, K] (fp32, or bf16 when x_bf16) -> xq int8 [M, K], dx = absmax / 127 and sx = dx * sum(xq) per
 // (row, block) [M, K / 32]. xq = round_half_even(x * (1 / dx)); an all-zero block gives dx = 0, xq = 0.
 void ssd_quantize_rows(const void* x, int x_bf16, int M, int K, int8_t* xq, float* dx, float* sx) {
     const int nb = K / QK;
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int m = 0; m < M; ++m) {
+    for (int m = 0; m < M; ++m)
         for (int b = 0; b < nb; ++b) {
-            const size_t at = static_cast<size_t>(m) * K + static_cast<size_t>(b) * QK;
-            __m256 v[4];
-            for (int j = 0; j < 4; ++j)
-                v[j] = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-                                    reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at + 8 * j))), 16))
-                              : _mm256_loadu_ps(static_cast<const float*>(x) + at + 8 * j);
-            // max is exact, so the lane order of this reduction cannot change amax.
-            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                                      _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_movehdup_ps(h));
-            const float d = _mm_cvtss_f32(h) / 127.0f;
-            const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-            __m256i q[4];
-            for (int j = 0; j < 4; ++j)
-                q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            // packs work per 128-bit half: the dwords come out as q0[0:4], q1[0:4], q2[0:4], q3[0:4],
-            // q0[4:8], ...; one dword permute restores element order (values fit: |q| <= 127).
-            const __m256i bytes = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
-                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + at), bytes);
-            const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-            dx[static_cast<size_t>(m) * nb + b] = d;
-            sx[static_cast<size_t>(m) * nb + b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+            const size_t at = static_cast<size_t>(m) * nb + b;
+            quantize_block(x, x_bf16, at * QK, xq + at * QK, dx[at], sx[at], nullptr);
         }
-    }
 }
 
 }  // extern "C"
 
 namespace {
 
-// x's rows quantised (as ssd_quantize_rows) and laid out for the block GEMM of format fmt.
-QActs quantized_acts(const void* x, int bf16, int M, int K, int fmt) {
-    const size_t nb = static_cast<size_t>(K) / QK;
-    int8_t* xq = static_cast<int8_t*>(malloc(static_cast<size_t>(M) * K));
-    float* dx = static_cast<float*>(malloc(sizeof(float) * M * nb));
-    float* sx = static_cast<float*>(malloc(sizeof(float) * M * nb));
-    ssd_quantize_rows(x, bf16, M, K, xq, dx, sx);
-    QActs a = pack_acts(xq, dx, sx, M, K, fmt == FMT_Q6);
-    if (fmt == FMT_Q8 && SSD_Q8_512) add_unsigned_acts(a, M);
-    free(xq);
-    free(dx);
-    free(sx);
-    return a;
+// Thread t of nt quantises its share of x's blocks (as ssd_quantize_rows) into `a`.
+void quantize_into(const void* x, int bf16, int M, int K, QActs& a, int t, int nt) {
+    const int nb = K / QK;
+    const int64_t n = static_cast<int64_t>(M) * nb, i0 = n * t / nt, i1 = n * (t + 1) / nt;
+    for (int64_t i = i0; i < i1; ++i) {
+        const int m = static_cast<int>(i / nb), b = static_cast<int>(i % nb);
+        const size_t at = act_at(a, m, b);
+        int8_t* q = a.xq + at * QK;
+        quantize_block(x, bf16, static_cast<size_t>(i) * QK, q, a.dx[at], a.sx[at],
+                       a.sx16 != nullptr ? a.sx16 + 2 * at : nullptr);
+        if (a.xu != nullptr) {  // q + 128 as unsigned: the sign bit flipped
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.xu + at * QK), _mm256_xor_si256(v, _mm256_set1_epi8(-128)));
+        }
+    }
 }
+
+// Activations as the block GEMM of format fmt reads them.
+QActs acts_for(int M, int K, int fmt) { return alloc_acts(M, K, fmt == FMT_Q6, fmt == FMT_Q8 && SSD_Q8_512); }
 
 // Thread t of nt: its share of the outputs of the block GEMM of format fmt.
 void block_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, int fmt, const QActs& a, int M,
@@ -890,9 +927,13 @@ extern "C" {
 // 4 q6 (offset nullptr); see the top of this file.
 void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint16_t* scale,
                 const uint16_t* offset, int fmt, void* y, int bf16, int nthreads) {
-    QActs a = quantized_acts(x, bf16, M, K, fmt);
+    QActs a = acts_for(M, K, fmt);
 #pragma omp parallel num_threads(nthreads)
-    block_gemm_part(w, scale, offset, fmt, a, M, N, K, y, bf16, omp_get_thread_num(), omp_get_num_threads());
+    {
+        quantize_into(x, bf16, M, K, a, omp_get_thread_num(), omp_get_num_threads());
+#pragma omp barrier
+        block_gemm_part(w, scale, offset, fmt, a, M, N, K, y, bf16, omp_get_thread_num(), omp_get_num_threads());
+    }
     free_acts(a);
 }
 
@@ -1044,12 +1085,14 @@ namespace ssd_team {
 namespace {
 
 // Thread 0 prepares the input (`prepare()` returns it on the heap) and hands it out through `shared`; every
-// thread runs `part(input)`; once all are done thread 0 frees it (`release(input)`).
-template <class Prepare, class Part, class Release>
-void shared_input(const Team& tm, void** shared, Prepare prepare, Part part, Release release) {
+// thread fills its share of it (`fill(input)`), then runs `part(input)`; once all are done thread 0 frees it
+// (`release(input)`).
+template <class Prepare, class Fill, class Part, class Release>
+void shared_input(const Team& tm, void** shared, Prepare prepare, Fill fill, Part part, Release release) {
     if (tm.t == 0) *shared = prepare();
     tm.sync();
     auto* input = static_cast<decltype(prepare())>(*shared);
+    if (fill(*input)) tm.sync();
     part(*input);
     tm.sync();
     if (tm.t == 0) release(input);
@@ -1060,7 +1103,11 @@ void shared_input(const Team& tm, void** shared, Prepare prepare, Part part, Rel
 void linear(const Team& tm, void** shared, const void* x, int M, int N, int K, const uint8_t* w,
             const uint16_t* scale, const uint16_t* offset, int fmt, void* y, int bf16) {
     shared_input(
-        tm, shared, [&] { return new QActs(quantized_acts(x, bf16, M, K, fmt)); },
+        tm, shared, [&] { return new QActs(acts_for(M, K, fmt)); },
+        [&](QActs& a) {
+            quantize_into(x, bf16, M, K, a, tm.t, tm.nt);
+            return true;
+        },
         [&](const QActs& a) { block_gemm_part(w, scale, offset, fmt, a, M, N, K, y, bf16, tm.t, tm.nt); },
         [](QActs* a) {
             free_acts(*a);
@@ -1072,6 +1119,7 @@ void linear_dense(const Team& tm, void** shared, const void* x, int x_bf16, int 
                   int w_bf16, const void* bias, void* y) {
     shared_input(
         tm, shared, [&] { return new DenseInput(dense_input(x, x_bf16, M, N, K, w_bf16, bias)); },
+        [](DenseInput&) { return false; },  // prepared whole by thread 0
         [&](const DenseInput& in) { dense_part(w, w_bf16, in, M, N, K, y, x_bf16, tm.t, tm.nt); },
         [](DenseInput* in) {
             free(in->xf);
