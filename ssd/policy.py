@@ -300,6 +300,7 @@ def choose(
     lag: int = 0,
     k_sd: int | None = None,
     horizon: int | None = None,
+    unfed: bool = False,
 ) -> tuple[str, dict[str, float]]:
     """Return the option with the lowest expected seconds per emitted token, and all the scores
     (each option's modelled round time calibrated by its measured / modelled round times).
@@ -320,6 +321,11 @@ def choose(
     included, against AR for all of it. Spread over 4 rounds, a backlog of ~30 tokens kept `auto` on AR
     and n-gram for the rest of a prompt while it grew (session 18: the 1.5B's SD at 35 tok/s, AR at 23).
     `k_sd`: plain SD's draft length if it differs from k (see `best_sd_len`).
+    `unfed`: AR and n-gram rounds leave the draft unfed (the target borrows its cores), so each token they
+    emit is one more the first SD or SSD round must feed; that feed is priced into their tokens. Without
+    it, on the first prompt (acceptance still near its prior) AR and n-gram came out a few % cheaper than
+    SD, their rounds grew a backlog, and the backlog then priced SD out for the rest of the prompt (lag 68
+    tokens, SD 44.7 ms a token against AR's 33.4; session 19).
     """
     a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.hit_rate(k)
     e_sd = expected_tokens(a, k)
@@ -341,16 +347,18 @@ def choose(
     first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
     e_sd_len = expected_tokens(a, k_sd)
 
+    unfed_token = cost.backlog_time(1, lent=True) / batch if unfed else 0.0  # the later feed of one token
+
     def spread(tokens_per_round: float) -> float:  # rounds the backlog is spread over
         return max(h, horizon / tokens_per_round) if horizon else h
 
     scores = {
-        "ar": t["ar"] / batch,
+        "ar": t["ar"] / batch + unfed_token,
         "sd": (t["sd"] + lent_backlog / spread(e_sd_len)) / (batch * e_sd_len),
         "ssd_neural": (t["ssd_neural"] + catch_up / h + lent_backlog / spread(e_sd)) / (batch * e_sd),
         "ssd_fast": (h * t["ssd_fast"] + backlog * h / spread(steady_fast))
         / (batch * (first_fast + (h - 1) * steady_fast)),
-        "ngram": t["ngram"] / (batch * expected_tokens(a_ngram, k_ngram)),
+        "ngram": t["ngram"] / (batch * expected_tokens(a_ngram, k_ngram)) + unfed_token,
     }
     best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])
     if current in allowed and current.startswith("ssd") and prepared >= 1.0 and not best.startswith("ssd"):

@@ -252,6 +252,29 @@ def test_a_backlog_is_spread_over_the_rest_of_the_request():
     assert spread["ar"] == base["ar"] and best == "sd"
 
 
+def test_tokens_of_rounds_that_leave_the_draft_unfed_carry_their_later_feed():
+    """While the target borrows the draft's cores, each token an AR or n-gram round emits is one the next SD
+    or SSD round must feed: `unfed` adds that feed (at the lent speed, per sequence) to their price, so
+    an AR a little cheaper than SD per token no longer wins and grows the backlog that then prices SD out."""
+    from ssd.policy import RATE_ALPHA, RateEma
+
+    c = CostModel()
+    c.v0, c.v1, c.feed = Ema(0.10), Ema(0.02), Ema(0.010)
+    c.acceptance = RateEma(0.65, RATE_ALPHA)
+    c.enable_borrow(0.5)
+    c.draft_lend = 0.5
+    _, base = choose(c, 2, 3, prepared=0.0)
+    _, unfed = choose(c, 2, 3, prepared=0.0, unfed=True)
+    per_token = 0.010 * 0.5 / 2  # one token's feed on lent cores, per sequence of the batch
+    assert unfed["ar"] == pytest.approx(base["ar"] + per_token)
+    assert unfed["ngram"] == pytest.approx(base["ngram"] + per_token)
+    assert all(unfed[o] == base[o] for o in ("sd", "ssd_neural", "ssd_fast"))
+    # Batch 1: AR ~4 ms a token cheaper than SD, the feed 5 ms: it decides for SD.
+    best, scores = choose(c, 1, 3, prepared=0.0)
+    assert best == "ar" and scores["sd"] - scores["ar"] < 0.010 * 0.5
+    assert choose(c, 1, 3, prepared=0.0, unfed=True)[0] == "sd"
+
+
 def test_sd_rounds_that_fed_a_backlog_calibrate_without_it():
     """An SD round that first fed the draft a backlog still calibrates SD's price, with the backlog's
     modelled feed time taken off; an SSD round that fed one does not count."""
@@ -324,11 +347,12 @@ def test_borrowed_rounds_count_the_draft_backlog_until_a_draft_round_feeds_it(mo
 
     import ssd.modes.ssd as ssd_mode
 
-    order, lags = itertools.cycle(["ar", "ar", "ngram", "ssd_neural", "ar", "sd"]), []
+    order, lags, unfed_flags = itertools.cycle(["ar", "ar", "ngram", "ssd_neural", "ar", "sd"]), [], set()
 
     def fake_choose(cost, batch, k, allowed, ngram=None, prepared=1.0, current=None, lag=0, k_sd=None,
-                    horizon=None):
+                    horizon=None, unfed=False):
         lags.append(lag)
+        unfed_flags.add(unfed)
         return next(order), dict.fromkeys(allowed, 1.0)
 
     monkeypatch.setattr(ssd_mode, "choose", fake_choose)
@@ -343,6 +367,7 @@ def test_borrowed_rounds_count_the_draft_backlog_until_a_draft_round_feeds_it(mo
         assert not mode._lag  # forgotten with the finished sequence
     # Rounds: ar (+1), ar (+1), ngram (+n), ssd_neural (fed: 0), ar (+1), sd (fed), ...
     assert lags[:2] == [0, 1] and lags[2] == 2 and lags[3] > 2 and lags[4] == 0 and lags[5] == 1 and lags[6] == 0
+    assert unfed_flags == {True}  # borrowing: the policy is told AR and n-gram leave the draft unfed
 
 
 LONG_PROMPTS = [[(7 * i + 3) % 37 + 1 for i in range(45)], [(5 * i + 1) % 39 + 1 for i in range(60)]]

@@ -35,7 +35,8 @@ def cycle_policy(monkeypatch, order):
     it = itertools.cycle(order)
     monkeypatch.setattr(
         ssd_mode, "choose",
-        lambda cost, batch, k, allowed, ngram=None, prepared=1.0, current=None, lag=0, k_sd=None, horizon=None: (
+        lambda cost, batch, k, allowed, ngram=None, prepared=1.0, current=None, lag=0, k_sd=None, horizon=None,
+        unfed=False: (
             next(it), dict.fromkeys(allowed, 1.0)
         ),
     )

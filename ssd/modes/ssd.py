@@ -146,7 +146,7 @@ class SSDMode(DraftBackedMode):
                 self._sd_k = best_sd_len(self.cost, self.cost.acceptance.value, len(seqs), SD_K_MAX)
             choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared,
                                               current=self.last_choice or None, lag=lag, k_sd=self._sd_k,
-                                              horizon=lagging.remaining if lag else None)
+                                              horizon=lagging.remaining if lag else None, unfed=bool(self.borrow))
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up (from a
             # ready SSD pipeline only the other SSD option, which keeps the prepared speculation).
             self._rounds_since_explore += 1
