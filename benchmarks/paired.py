@@ -39,17 +39,19 @@ def rotation(modes: list[str], i: int) -> list[str]:
 def summary(per_prompt: list[dict[str, dict]], base: str) -> dict[str, dict]:
     """Per mode: total decode tokens / seconds, and against `base` the geometric mean of the per-prompt
     ratios of decode rates and the ratio of the total rates."""
-    modes = list(per_prompt[0])
+    def rate(m: str, p: dict[str, dict]) -> float:
+        return p[m]["decode_tokens"] / p[m]["decode_s"]
+
+    def total_rate(m: str) -> float:
+        return sum(p[m]["decode_tokens"] for p in per_prompt) / sum(p[m]["decode_s"] for p in per_prompt)
+
+    base_total = total_rate(base)
     out = {}
-    for m in modes:
-        n = sum(p[m]["decode_tokens"] for p in per_prompt)
-        s = sum(p[m]["decode_s"] for p in per_prompt)
-        logs = [math.log((p[m]["decode_tokens"] / p[m]["decode_s"]) / (p[base]["decode_tokens"] / p[base]["decode_s"]))
-                for p in per_prompt]
-        n0 = sum(p[base]["decode_tokens"] for p in per_prompt)
-        s0 = sum(p[base]["decode_s"] for p in per_prompt)
-        out[m] = {"decode_tokens_per_s": round(n / s, 2), "vs_base_geomean": round(math.exp(sum(logs) / len(logs)), 3),
-                  "vs_base_total": round((n / s) / (n0 / s0), 3)}
+    for m in per_prompt[0]:
+        logs = [math.log(rate(m, p) / rate(base, p)) for p in per_prompt]
+        out[m] = {"decode_tokens_per_s": round(total_rate(m), 2),
+                  "vs_base_geomean": round(math.exp(sum(logs) / len(logs)), 3),
+                  "vs_base_total": round(total_rate(m) / base_total, 3)}
     return out
 
 

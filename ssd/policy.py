@@ -346,7 +346,6 @@ def choose(
     steady_fast = share_fast * e_sd + (1 - share_fast) * e_fast  # tokens per sequence and round
     first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
     e_sd_len = expected_tokens(a, k_sd)
-
     unfed_token = cost.backlog_time(1, lent=True) / batch if unfed else 0.0  # the later feed of one token
 
     def spread(tokens_per_round: float) -> float:  # rounds the backlog is spread over
