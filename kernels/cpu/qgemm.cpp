@@ -524,7 +524,9 @@ void single_tiles(const uint8_t* w, const uint16_t* scale, const uint16_t* offse
         const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
         const int rows = N - 8 * tile < 8 ? N - 8 * tile : 8;
         for (int m0 = 0; m0 < M; m0 += RC) {
-            const int pf = m0 == 0 ? 8192 : 0;  // the first pass streams the weights from memory
+            // The first pass streams the weights from memory. 16 KiB ahead: at 8 rows 0.89-0.91x the time of 8 KiB
+            // on the 1.5B (decode and the 0.5B within +-4 %); 32 KiB slowed decode steps.
+            const int pf = m0 == 0 ? 16384 : 0;
             switch (M - m0 < RC ? M - m0 : RC) {
                 case 1: tile_dot<FMT, 1>(wt, st, ot, a, m0, nb, part, pf); break;
                 case 2: tile_dot<FMT, 2>(wt, st, ot, a, m0, nb, part, pf); break;
@@ -560,7 +562,7 @@ void tile_pairs(const uint8_t* w, const uint16_t* scale, const uint16_t* offset,
         const uint16_t* ot2 = FMT == FMT_Q4 ? ot + static_cast<size_t>(nb) * 8 : nullptr;
         const int rows = N - 8 * tile < 16 ? N - 8 * tile : 16;
         for (int m0 = 0; m0 < M; m0 += RC2) {
-            const int pf = m0 == 0 ? 8192 : 0;  // per stream: both tiles stream from memory
+            const int pf = m0 == 0 ? 16384 : 0;  // per stream (both tiles stream from memory); as single_tiles
             switch (M - m0 < RC2 ? M - m0 : RC2) {
                 case 1: tile2_dot<FMT, 1>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
                 case 2: tile2_dot<FMT, 2>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
