@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from ssd.fanout import expected_hit_rate, geometric_fanout, outcome_probs
 from ssd.handles import WorkerHandle
-from ssd.policy import expected_tokens
+from ssd.policy import ACCEPTANCE_PRIOR, expected_tokens
 
 log = logging.getLogger("ssd")
 
 K_CHOICES = (2, 3, 4, 5, 6, 8)
-PRIOR_ACCEPTANCE = 0.8
+PRIOR_ACCEPTANCE = ACCEPTANCE_PRIOR
 PRIOR_R = 1.0
 
 
@@ -34,6 +34,7 @@ class AutoConfig:
     t_draft1: float = 0.0  # one plain draft step (measured for plain SD only)
     t_chain: dict[int, float] = field(default_factory=dict)  # the draft scoring n chain tokens (SSD)
     borrow_share: float | None = None  # verification on borrowed cores / on the target's own (measured)
+    t_borrowed: dict[int, float] | None = None  # seconds per verification of n tokens on borrowed cores
     draft_borrow_share: float | None = None  # a draft forward on the target's cores too / on its own (measured)
 
 
@@ -158,10 +159,10 @@ def autoconfigure(
 ) -> AutoConfig:
     ns = sorted({k + 1 for k in K_CHOICES})
     t_verify = {n: target.call("time_forward", n).result() for n in [1, *ns]}  # n = 1: the policy's AR price
-    borrow_share = None
+    borrow_share, t_borrowed = None, None
     if borrow:  # the target on the draft's cores too: one decode step and the longest verification
-        shares = [target.call("time_forward", n, borrow=True).result() / t_verify[n] for n in (1, ns[-1])]
-        borrow_share = sum(shares) / len(shares)
+        t_borrowed = {n: target.call("time_forward", n, borrow=True).result() for n in (1, ns[-1])}
+        borrow_share = sum(t / t_verify[n] for n, t in t_borrowed.items()) / len(t_borrowed)
     t_chain = {n: draft.call("time_forward", n).result() for n in ns}
     draft_share = None
     if draft_borrow:  # the draft on the target's cores too: one draft step and the longest chain
@@ -183,4 +184,4 @@ def autoconfigure(
     if draft_share is not None:
         log.info("auto-config: a draft forward on borrowed cores takes %.2fx the draft's own", draft_share)
     return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch, t_draft1=t_draft1, t_chain=t_chain,
-                      borrow_share=borrow_share, draft_borrow_share=draft_share)
+                      borrow_share=borrow_share, t_borrowed=t_borrowed, draft_borrow_share=draft_share)

@@ -80,7 +80,7 @@ def make_mode(
                        feed=feed_time(ac.t_chain))
         mode.cost.draft_lend = draft_lend
         if ac.borrow_share is not None:
-            mode.cost.enable_borrow(ac.borrow_share)
+            mode.cost.enable_borrow(ac.borrow_share, t_borrowed=ac.t_borrowed)
     return mode
 
 

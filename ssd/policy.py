@@ -22,6 +22,11 @@ NGRAM_ALPHA = 0.05
 # by +-0.17 (one sd), and once a dip prices SSD above AR the policy stops running it, so the estimate
 # stays low (seen on MT-Bench: a hit rate of 0.28 for the rest of a prompt where SSD alone hit 48 %).
 RATE_ALPHA = 0.05
+# The neural draft's per-token acceptance before a request measured any: what plain SD's K tuner starts
+# from too. Optimistic on purpose: AR and n-gram rounds never measure the draft, so a prior that prices SD
+# above AR is never corrected (session 20, raw HumanEval on both cores: at 0.7 the first prompt ran AR and
+# n-gram for ~100 rounds while the draft, once measured, accepted ~0.9).
+ACCEPTANCE_PRIOR = 0.8
 SWITCH_HORIZON = 4  # rounds a switch into SSD is expected to last: its one-off catch-up is spread over them
 # Leaving a ready SSD pipeline for AR / SD / n-gram needs an option this much cheaper: the prepared
 # speculation is thrown away and coming back pays a catch-up. Without it `auto` switched in a third of
@@ -31,6 +36,37 @@ CALIBRATION_RANGE = (0.5, 2.0)  # how far measured round times may move an optio
 # Verification on the target's and the draft's cores together, as a share of the target's own time:
 # the prior before start-up measures it (2 threads over 1 on the real pair: ~0.55).
 BORROW_PRIOR = 0.6
+
+
+OUTLIER_CAP = 1.5
+
+
+def fit_line(t: dict[int, float]) -> tuple[float, float]:
+    """(intercept, slope) of seconds per forward against tokens scored: through the one-token time, with
+    the least-squares slope of all points (clamped at 0), so a one-token forward is priced exactly."""
+    ns = sorted(t)
+    if 1 not in t or len(ns) < 2:
+        raise ValueError(f"a verification line needs the one-token time and at least one more point, got n = {ns}")
+    mean_n = sum(ns) / len(ns)
+    mean_t = sum(t[n] for n in ns) / len(ns)
+    slope = max(0.0, sum((n - mean_n) * (t[n] - mean_t) for n in ns) / sum((n - mean_n) ** 2 for n in ns))
+    return t[1] - slope, slope
+
+
+def line_time(v0: Ema, v1: Ema, n_tokens: int) -> float:
+    return max(v0.value + v1.value * n_tokens, 1e-6)
+
+
+def observe_line(v0: Ema, v1: Ema, n_tokens: int, seconds: float) -> None:
+    """Half the residual to the intercept; the slope only moves for n > 1 (one-token rounds say nothing
+    about it). An observation counts for at most OUTLIER_CAP times the prediction: a request's first
+    verifications ran 3-4x their line on the real pair and lifted the borrowed decode step's price from 32
+    to 58 ms for good (AR and SD were never tried again to bring it back)."""
+    predicted = line_time(v0, v1, n_tokens)
+    err = min(seconds, OUTLIER_CAP * predicted) - predicted
+    v0.update(v0.value + 0.5 * err)
+    if n_tokens > 1:
+        v1.update(max(0.0, v1.value + 0.5 * err / n_tokens))
 
 
 @dataclass
@@ -95,7 +131,8 @@ class CostModel:
     draft_call: Ema = field(default_factory=lambda: Ema(0.0))
     speculate: Ema = field(default_factory=lambda: Ema(0.08))  # SSD draft work for one round
     feed: Ema = field(default_factory=lambda: Ema(0.003))  # a draft forward's cost per extra token fed
-    acceptance: RateEma = field(default_factory=lambda: RateEma(0.7, RATE_ALPHA))  # per-token, neural draft
+    # per-token, neural draft
+    acceptance: RateEma = field(default_factory=lambda: RateEma(ACCEPTANCE_PRIOR, RATE_ALPHA))
     fast_acceptance: RateEma = field(default_factory=lambda: RateEma(0.2))  # per-token, fast backup / n-gram
     # Hit rates of rounds that verify a cached (primary) draft, apart for the two kinds of outcome: every
     # draft token accepted (the draft predicts the bonus token) and a rejection (it predicts the
@@ -117,10 +154,11 @@ class CostModel:
     # acceptance and hit rates measure, and a ratio of seconds per token counted a lagging hit rate
     # twice (SSD priced 35 % high after a prose dip, long after the hit rate itself had caught up).
     calibration: dict[str, RateEma] = field(default_factory=dict)
-    # Where the target may borrow the draft's cores (CPU, mode="auto"): verification on both as a share
-    # of verification on its own, for the options that leave the draft idle (AR, SD, n-gram). None:
-    # no borrowing.
-    borrow: RateEma | None = None
+    # Where the target may borrow the draft's cores (CPU, mode="auto"): verification on both, a line of its
+    # own (intercept, slope) for the options that leave the draft idle (AR, SD, n-gram). None: no
+    # borrowing. A share of the own line misprices both ends: on the real pair borrowing made a decode
+    # step 0.94x and a 6-token verification 0.64x, so their mean share priced AR 16 % cheap.
+    borrow: tuple[Ema, Ema] | None = None
     # Where the draft may borrow the target's cores for just-in-time drafts: a draft forward on both as a
     # share of one on its own (measured at start-up). draft_step is then observed on both cores already;
     # this prices the backlog those drafts feed, which `feed` measures on the draft's own cores.
@@ -136,15 +174,12 @@ class CostModel:
         The line goes through the one-token time, so AR is priced exactly, with the least-squares slope
         of all points: a CPU's verification cost grows ~30-60 ms per token, against the 2 ms default,
         which made n-gram rounds of K+1 mostly rejected tokens look nearly as cheap as AR."""
-        ns = sorted(t_verify)
-        if 1 not in t_verify or len(ns) < 2:
-            raise ValueError(f"seed needs the one-token time and at least one more point, got n = {ns}")
-        mean_n = sum(ns) / len(ns)
-        mean_t = sum(t_verify[n] for n in ns) / len(ns)
-        slope = sum((n - mean_n) * (t_verify[n] - mean_t) for n in ns) / sum((n - mean_n) ** 2 for n in ns)
-        slope = max(0.0, slope)
-        for ema, value in ((self.v1, slope), (self.v0, t_verify[1] - slope), (self.draft_step, draft_step),
-                           (self.speculate, speculate), (self.feed, feed)):
+        intercept, slope = fit_line(t_verify)
+        # A measured step seeds the intercept at 0 as one observation too: unseeded, the first just-in-time
+        # draft set it alone, and a request's first draft (here 50 ms for one step) kept SD priced out.
+        call = None if draft_step is None else 0.0
+        for ema, value in ((self.v1, slope), (self.v0, intercept), (self.draft_step, draft_step),
+                           (self.draft_call, call), (self.speculate, speculate), (self.feed, feed)):
             if value is not None:
                 ema.value, ema.n = value, 1
 
@@ -202,13 +237,23 @@ class CostModel:
         ema = self.calibration.get(option)
         return 1.0 if ema is None else min(max(ema.value, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
 
-    def enable_borrow(self, share: float = BORROW_PRIOR) -> None:
-        """The target can borrow the draft's cores; `share`: measured borrowed / own verification time
-        (counts as one observation)."""
-        self.borrow = RateEma(share, RATE_ALPHA)
+    def enable_borrow(self, share: float = BORROW_PRIOR, t_borrowed: dict[int, float] | None = None) -> None:
+        """The target can borrow the draft's cores. `t_borrowed`: seconds per borrowed forward of n tokens
+        measured at start-up (n = 1 and at least one more), fitted as seed() fits the own line; without
+        it, `share` times the own line. Either counts as one observation."""
+        if t_borrowed is not None:
+            v0, v1 = fit_line(t_borrowed)
+        else:
+            v0, v1 = share * self.v0.value, share * self.v1.value
+        self.borrow = (Ema(v0, n=1), Ema(v1, n=1))
 
-    def borrow_factor(self) -> float:
-        return 1.0 if self.borrow is None else self.borrow.value
+    def lent_verify_time(self, n_tokens: int) -> float:
+        """Seconds of a verification the target may run on borrowed cores (AR, SD, n-gram rounds)."""
+        return self.verify_time(n_tokens) if self.borrow is None else line_time(*self.borrow, n_tokens)
+
+    def borrow_factor(self, n_tokens: int = 1) -> float:
+        """Borrowed / own verification time at n tokens (1.0 without borrowing)."""
+        return self.lent_verify_time(n_tokens) / self.verify_time(n_tokens)
 
     def draft_time(self, k: int) -> float:
         """Seconds of a just-in-time draft of k steps (0 for no draft)."""
@@ -230,22 +275,17 @@ class CostModel:
         return lag * self.feed.value * (self.draft_lend if lent else 1.0)
 
     def verify_time(self, n_tokens: int) -> float:
-        return max(self.v0.value + self.v1.value * n_tokens, 1e-6)
+        return line_time(self.v0, self.v1, n_tokens)
 
     def observe_verify(self, n_tokens: int, seconds: float, borrowed: bool = False) -> None:
         """A verification of n_tokens took `seconds`; `borrowed`: on the draft's cores too, which moves
-        the borrowed share, not the line."""
+        the borrowed line, not the own one."""
         if borrowed:
             if self.borrow is None:
                 raise ValueError("a borrowed verification without enable_borrow()")
-            self.borrow.update(seconds, self.verify_time(n_tokens))
+            observe_line(*self.borrow, n_tokens, seconds)
             return
-        # Attribute the residual to the intercept; slope only moves when n differs from the mean.
-        pred = self.verify_time(n_tokens)
-        err = seconds - pred
-        self.v0.update(self.v0.value + 0.5 * err)
-        if n_tokens > 1:
-            self.v1.update(max(0.0, self.v1.value + 0.5 * err / n_tokens))
+        observe_line(self.v0, self.v1, n_tokens, seconds)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -264,10 +304,8 @@ def best_sd_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
     critical path, then one verification of k + 1 tokens per sequence. SSD's K fits its speculation
     inside a verification; with cheap just-in-time drafts (the draft on both cores) SD's best is longer
     (session 17, raw HumanEval: SD mode's tuner took K = 5 where SSD's took 3)."""
-    lend = cost.borrow_factor()
-
     def per_token(k: int) -> float:
-        return (cost.draft_time(k) + lend * cost.verify_time(batch * (k + 1))) / expected_tokens(a, k)
+        return (cost.draft_time(k) + cost.lent_verify_time(batch * (k + 1))) / expected_tokens(a, k)
 
     return min(range(1, k_max + 1), key=per_token)
 
@@ -276,15 +314,15 @@ def round_seconds(cost: CostModel, option: str, batch: int, k: int, k_ngram: int
                   missed: float = 0.0) -> float:
     """Modelled seconds of one steady round of `option` (what calibration compares measured rounds with).
     `missed`: for neural SSD, the chance (or the fact) that a sequence missed, which costs a draft."""
-    lend = cost.borrow_factor()  # AR, SD and n-gram verify on borrowed cores where the target can
+    lent = cost.lent_verify_time  # AR, SD and n-gram verify on borrowed cores where the target can
     t_ver = cost.verify_time(batch * (k + 1))
     t_draft = cost.draft_time(k)
     if option == "ar":  # one token per sequence per target step
-        return lend * cost.verify_time(batch)
+        return lent(batch)
     if option == "sd":  # the draft runs before the target, on the critical path
-        return t_draft + lend * t_ver
+        return t_draft + lent(batch * (k + 1))
     if option == "ngram":  # verification only; drafting is a lookup
-        return lend * cost.verify_time(batch * ((k if k_ngram is None else k_ngram) + 1))
+        return lent(batch * ((k if k_ngram is None else k_ngram) + 1))
     overlap = max(t_ver, cost.speculate.value)  # SSD: speculation overlaps verification
     return overlap + missed * t_draft if option == "ssd_neural" else overlap
 

@@ -138,12 +138,75 @@ def test_policy_prices_rounds_that_leave_the_draft_idle_on_borrowed_cores():
     assert lent["ssd_neural"] == own["ssd_neural"] and lent["ssd_fast"] == own["ssd_fast"]
     # SSD (~0.19 s per 2.5 tokens) beats AR on the target's own core (0.12 s per token), not on two (0.06).
     assert min(own, key=own.get).startswith("ssd") and best == "ar"
-    # A borrowed verification moves the share, not the line.
+    # A borrowed verification moves the borrowed line, not the own one.
     line = (c.v0.value, c.v1.value)
     c.observe_verify(4, 0.18 * 0.6, borrowed=True)
-    assert (c.v0.value, c.v1.value) == line and 0.5 < c.borrow_factor() < 0.6
+    assert (c.v0.value, c.v1.value) == line and 0.5 < c.borrow_factor() < 0.6 and 0.5 < c.borrow_factor(4) < 0.6
     with pytest.raises(ValueError, match="enable_borrow"):
         CostModel().observe_verify(4, 0.1, borrowed=True)
+
+
+# Start-up latencies of the real pair (w4a8, target and draft on a core each, session 20): the target's
+# forwards of n tokens on its own core and on both, and one draft step on both.
+REAL_OWN = {1: 0.0343, 2: 0.0449, 6: 0.0600}
+REAL_BORROWED = {1: 0.0321, 6: 0.0381}
+REAL_DRAFT_STEP = 0.0101
+
+
+def test_borrowed_verification_is_a_line_of_its_own():
+    """Borrowing speeds a long verification more than a decode step (0.94x at 1 token, 0.64x at 6 on the
+    real pair): the measured borrowed times are fitted as a line, so each is priced at what it measured,
+    where one share of the own line priced AR 16 % cheap and long verifications dear."""
+    c = CostModel()
+    c.seed(REAL_OWN, draft_step=REAL_DRAFT_STEP)
+    c.enable_borrow(t_borrowed=REAL_BORROWED)
+    assert c.lent_verify_time(1) == pytest.approx(0.0321) and c.lent_verify_time(6) == pytest.approx(0.0381)
+    assert c.borrow_factor(6) == pytest.approx(0.0381 / c.verify_time(6))
+    _, scores = choose(c, 1, 4, allowed=("sd", "ar"))
+    assert scores["ar"] == pytest.approx(0.0321)
+    shared = CostModel()
+    shared.seed(REAL_OWN, draft_step=REAL_DRAFT_STEP)
+    shared.enable_borrow(sum(REAL_BORROWED[n] / shared.verify_time(n) for n in REAL_BORROWED) / 2)
+    assert shared.lent_verify_time(1) < 0.9 * 0.0321 and shared.lent_verify_time(6) > 1.1 * 0.0381
+    # At acceptance 0.7 the line prices SD below AR, as the real pair measures (SD mode 45 tok/s, AR 34);
+    # the share priced AR below SD, and AR rounds never measure the draft to correct it.
+    c.acceptance = shared.acceptance = RateEma(0.7)
+    assert choose(c, 1, 4, allowed=("sd", "ar"))[0] == "sd"
+    assert choose(shared, 1, 4, allowed=("sd", "ar"))[0] == "ar"
+
+
+def test_an_outlying_verification_moves_a_line_by_at_most_its_cap():
+    """One verification at 4x its line (a request's first, on the real pair) counts as OUTLIER_CAP times the
+    prediction, on the own and on the borrowed line alike; steady drifts still move them."""
+    from ssd.policy import OUTLIER_CAP
+
+    capped, plain = CostModel(), CostModel()
+    for c in (capped, plain):
+        c.seed(REAL_OWN)
+        c.enable_borrow(t_borrowed=REAL_BORROWED)
+    before = (capped.verify_time(6), capped.lent_verify_time(1))
+    capped.observe_verify(6, 4 * before[0])
+    capped.observe_verify(1, 4 * before[1], borrowed=True)
+    plain.observe_verify(6, OUTLIER_CAP * before[0])
+    plain.observe_verify(1, OUTLIER_CAP * before[1], borrowed=True)
+    assert (capped.verify_time(6), capped.lent_verify_time(1)) == (plain.verify_time(6), plain.lent_verify_time(1))
+    assert capped.verify_time(6) > before[0] and capped.lent_verify_time(1) > before[1]
+    for _ in range(40):  # the machine turned 30 % slower: the lines follow
+        capped.observe_verify(6, 1.3 * before[0])
+    assert capped.verify_time(6) == pytest.approx(1.3 * before[0], rel=0.02)
+
+
+def test_a_slow_first_draft_does_not_set_the_price_of_a_draft_call():
+    """The start-up step seeds the per-call intercept at 0 as one observation: a request's first draft
+    (50 ms for one 10 ms step) moves it, and no longer sets it alone (which priced SD out for a prompt)."""
+    c = CostModel()
+    c.seed(REAL_OWN, draft_step=REAL_DRAFT_STEP)
+    assert (c.draft_call.value, c.draft_call.n) == (0.0, 1)
+    c.observe_draft(1, 0.050)
+    assert 0.0 < c.draft_call.value < 0.005
+    unseeded = CostModel()
+    unseeded.observe_draft(1, 0.050)
+    assert unseeded.draft_call.value > 0.01
 
 
 def lend_cores(llm: LLM):

@@ -463,3 +463,9 @@ def test_just_in_time_drafts_fit_a_line_so_one_step_drafts_do_not_inflate_the_st
     c.draft_step, c.draft_call = Ema(0.015), Ema(0.010)
     per_step_only = CostModel(v0=c.v0, v1=c.v1, draft_step=Ema(0.025))
     assert policy.best_sd_len(c, 0.8, 1, 8) > policy.best_sd_len(per_step_only, 0.8, 1, 8)
+
+
+def test_the_policy_and_the_k_tuner_start_from_one_acceptance_prior():
+    from ssd.autoconfig import PRIOR_ACCEPTANCE
+
+    assert policy.CostModel().acceptance.value == PRIOR_ACCEPTANCE == policy.ACCEPTANCE_PRIOR

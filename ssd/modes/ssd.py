@@ -127,7 +127,8 @@ class SSDMode(DraftBackedMode):
     def observe_prefill(self, n_prompt: int, cut: int, draft_s: float, rest_s: float) -> None:
         if self.draft_down is not None or rest_s <= 0 or draft_s <= 0 or n_prompt <= cut:
             return
-        own_per_token = rest_s / (n_prompt - cut) / self.cost.borrow_factor()  # borrowed -> own-core time
+        rest = n_prompt - cut
+        own_per_token = rest_s / rest / self.cost.borrow_factor(rest)  # borrowed -> own-core time
         self.prefill_ratio.update(draft_s / n_prompt / own_per_token)
 
     # -- policy ------------------------------------------------------------------------------
