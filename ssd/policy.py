@@ -36,9 +36,7 @@ CALIBRATION_RANGE = (0.5, 2.0)  # how far measured round times may move an optio
 # Verification on the target's and the draft's cores together, as a share of the target's own time:
 # the prior before start-up measures it (2 threads over 1 on the real pair: ~0.55).
 BORROW_PRIOR = 0.6
-
-
-OUTLIER_CAP = 1.5
+OUTLIER_CAP = 1.5  # an observed verification counts for at most this times its line's prediction
 
 
 def fit_line(t: dict[int, float]) -> tuple[float, float]:
