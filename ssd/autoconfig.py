@@ -33,7 +33,6 @@ class AutoConfig:
     t_draft: dict[int, float]
     t_draft1: float = 0.0  # one plain draft step (measured for plain SD only)
     t_chain: dict[int, float] = field(default_factory=dict)  # the draft scoring n chain tokens (SSD)
-    borrow_share: float | None = None  # verification on borrowed cores / on the target's own (measured)
     t_borrowed: dict[int, float] | None = None  # seconds per verification of n tokens on borrowed cores
     draft_borrow_share: float | None = None  # a draft forward on the target's cores too / on its own (measured)
 
@@ -159,10 +158,9 @@ def autoconfigure(
 ) -> AutoConfig:
     ns = sorted({k + 1 for k in K_CHOICES})
     t_verify = {n: target.call("time_forward", n).result() for n in [1, *ns]}  # n = 1: the policy's AR price
-    borrow_share, t_borrowed = None, None
+    t_borrowed = None
     if borrow:  # the target on the draft's cores too: one decode step and the longest verification
         t_borrowed = {n: target.call("time_forward", n, borrow=True).result() for n in (1, ns[-1])}
-        borrow_share = sum(t / t_verify[n] for n, t in t_borrowed.items()) / len(t_borrowed)
     t_chain = {n: draft.call("time_forward", n).result() for n in ns}
     draft_share = None
     if draft_borrow:  # the draft on the target's cores too: one draft step and the longest chain
@@ -179,9 +177,10 @@ def autoconfigure(
         k, b = _choose_sd(t_verify, t_draft1, PRIOR_ACCEPTANCE), 0
     log.info("auto-config: k=%d budget=%d (verify %s ms)", k, b,
              {n: round(t * 1e3, 1) for n, t in t_verify.items()})
-    if borrow_share is not None:
-        log.info("auto-config: verification on borrowed cores takes %.2fx the target's own", borrow_share)
+    if t_borrowed is not None:
+        log.info("auto-config: verification on borrowed cores takes %s x the target's own",
+                 {n: round(t / t_verify[n], 2) for n, t in t_borrowed.items()})
     if draft_share is not None:
         log.info("auto-config: a draft forward on borrowed cores takes %.2fx the draft's own", draft_share)
     return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch, t_draft1=t_draft1, t_chain=t_chain,
-                      borrow_share=borrow_share, t_borrowed=t_borrowed, draft_borrow_share=draft_share)
+                      t_borrowed=t_borrowed, draft_borrow_share=draft_share)

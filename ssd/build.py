@@ -79,8 +79,8 @@ def make_mode(
         mode.cost.seed(ac.t_verify, draft_step=ac.t_draft[1] * draft_lend, speculate=spec,
                        feed=feed_time(ac.t_chain))
         mode.cost.draft_lend = draft_lend
-        if ac.borrow_share is not None:
-            mode.cost.enable_borrow(ac.borrow_share, t_borrowed=ac.t_borrowed)
+        if ac.t_borrowed is not None:
+            mode.cost.enable_borrow(t_borrowed=ac.t_borrowed)
     return mode
 
 
