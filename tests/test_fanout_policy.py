@@ -314,6 +314,17 @@ def test_measured_round_times_correct_the_modelled_prices():
     assert clamped == pytest.approx(policy.CALIBRATION_RANGE[1] * before["ar"])
 
 
+def test_calibration_follows_within_a_prompt():
+    """The calibration's prior weighs as one round, not as one second: rounds of ~80 ms measured 1.3x their
+    price move the factor most of the way within the ~25 rounds of one prompt."""
+    c = costs(v0=0.03, v1=0.01, draft_step=0.01, speculate=0.06, a=0.8, p_hit=0.7)
+    t = round_seconds(c, "ssd_neural", 1, 2)
+    assert 0.05 < t < 0.1
+    for _ in range(25):
+        c.observe_round("ssd_neural", t, 1.3 * t)
+    assert 1.2 < c.calibration_factor("ssd_neural") < 1.3
+
+
 def test_calibration_counts_time_not_tokens():
     """Rounds that take the modelled time but emit fewer tokens than expected (acceptance or hits below
     their estimates) leave the calibration alone: the rates themselves measure tokens, and a ratio of
