@@ -102,6 +102,7 @@ def _placement() -> dict[str, Any]:
         "node_id": ctx.get_node_id(),
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),  # see launch/placement.py (OpenMP in CPU actors)
     }
 
 

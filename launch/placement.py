@@ -13,6 +13,14 @@ CUDA_VISIBLE_DEVICES to the GPU it was given.
 cfg.extra["draft_resource"] (e.g. {"draft_node": 1}) puts the draft wherever that custom Ray
 resource is (another node), outside the placement group, unpinned.
 
+OpenMP in CPU actors: libgomp's idle threads spin GOMP_SPINCOUNT times (300,000 by default, ~5 ms here)
+after each parallel region before they sleep. Where two actors share cores (SD's draft and target on the
+same cores, core loans) that spin ran on the cores the other actor had just started computing on: SD over
+Ray ran 1.27-1.40x slower than the same workers in one process. Paired on raw HumanEval (session 21), SD
+over Ray at spins of 300,000 / 10,000 / 1,000: 42.9 / 47.7 / 49.8 tok/s; 1,000 / 100 / 0: 54.3 / 53.4 /
+50.6; `auto` at 300,000 / 1,000: 43.3 / 54.7. CPU actors get WORKER_SPINCOUNT unless the driver's
+environment sets GOMP_SPINCOUNT (passed on as it is) or OMP_WAIT_POLICY.
+
 mode="auto" on CPU (Config.core_loans): the target may also compute on the draft's cores
 (`spare_cores`) in rounds where the draft has nothing to do, and the draft on the target's while the
 target waits for a just-in-time draft; the coordinator asks per call.
@@ -32,6 +40,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ssd.config import Config
+
+WORKER_SPINCOUNT = 1_000  # libgomp spins of an idle CPU actor thread before it sleeps (~20 us; see above)
+
+
+def openmp_env() -> dict[str, str]:
+    """Environment variables for a CPU actor's OpenMP runtime (the driver's own settings win)."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", str(WORKER_SPINCOUNT))}
 
 
 @dataclass
@@ -225,6 +242,8 @@ def place_workers(
         opts: dict[str, Any] = {"num_cpus": ap.num_cpus, "num_gpus": ap.num_gpus}
         if ap.resources:
             opts["resources"] = ap.resources
+        if ap.device == "cpu" and openmp_env():
+            opts["runtime_env"] = {"env_vars": openmp_env()}
         if pg is not None and ap.bundle is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=ap.bundle

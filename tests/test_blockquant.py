@@ -72,6 +72,25 @@ def test_rows_are_independent_bitwise(cls, dtype, threads, k):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("m", [1, 8])  # single tiles / tile pairs in the AVX-512 build
+def test_thread_split_keeps_the_bits(cls, m):
+    """1, 2 and 3 threads give the same bits: each thread's static share plus the chunks claimed from the
+    shared cursor (N large enough for both parts, 3 threads for uneven shares)."""
+    old = torch.get_num_threads()
+    g = torch.Generator().manual_seed(5)
+    lin = cls.from_float(torch.randn(1601, 512, generator=g), None, torch.bfloat16)
+    x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(lin(x))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_rounding_within_half_a_step():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 256, generator=g) * torch.logspace(-4, 1, 64)[:, None]

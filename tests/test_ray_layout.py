@@ -10,7 +10,7 @@ from tiny_models import random_model
 from ssd import LLM, SamplingParams
 from ssd.config import Config
 from ssd.handles import LocalHandle, WorkerDied
-from ssd.launch.placement import plan_placement
+from ssd.launch.placement import WORKER_SPINCOUNT, openmp_env, plan_placement
 
 ray = pytest.importorskip("ray")
 
@@ -146,6 +146,16 @@ def test_sd_survives_draft_death_in_process(models, local_outputs):
 # -- local Ray -----------------------------------------------------------------------------------
 
 
+def test_openmp_env_keeps_the_drivers_settings(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert openmp_env() == {"GOMP_SPINCOUNT": str(WORKER_SPINCOUNT)}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    assert openmp_env() == {"GOMP_SPINCOUNT": "300000"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the user's policy decides the spin itself
+    assert openmp_env() == {}
+
+
 @pytest.fixture(scope="class")
 def ray_local():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -171,6 +181,8 @@ class TestLocalRay:
             assert info["pid"] != os.getpid()
             assert info["num_threads"] == ap.num_threads
             assert info["cpu_affinity"] == ap.cpu_cores
+            # idle OpenMP threads sleep soon instead of spinning on cores the other actor computes on
+            assert info["gomp_spincount"] == os.environ.get("GOMP_SPINCOUNT", str(WORKER_SPINCOUNT))
         assert infos[0]["pid"] != infos[1]["pid"]
 
     def test_messages_cross_as_msgpack(self):
