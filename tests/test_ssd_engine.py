@@ -143,3 +143,44 @@ def test_ngram_rounds_speculate_only_on_short_drafts_that_fit(models):
         mode.cost.speculate = Ema(0.2)  # more than verifying 4 tokens (0.18 s)
         assert not mode._speculate_on_ngram(short)
         assert mode._speculate_on_ngram([Draft(seq_id=0, tokens=[1, 2]), Draft(seq_id=1, tokens=[3, 4, 5])])
+
+
+def test_greedy_hits_take_the_shipped_draft_without_waiting_for_resolve(models, monkeypatch):
+    """Where every sequence hits, the coordinator finds the next draft among those speculate shipped and
+    sends resolve without waiting for it; the draft's next reply is checked against what it took."""
+    from ssd.modes.ssd import SSDMode
+
+    settled: list[bool] = []
+    real = SSDMode._settle_resolve
+
+    def spy(self):
+        settled.append(self._pending is not None)
+        real(self)
+
+    monkeypatch.setattr(SSDMode, "_settle_resolve", spy)
+    with LLM(target=models[0], draft=models[0], mode="ssd", k=3, backup="neural", dtype="float32", max_batch=2,
+             max_len=160) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    m = out.metrics
+    assert m["cache_misses"] == 0 and m["rounds"] == 6
+    assert sum(settled) == m["rounds"] - 1  # every round's resolve unwaited, checked in the next (not the last)
+
+
+def test_a_resolve_that_disagrees_with_the_shipped_drafts_fails_loudly():
+    from concurrent.futures import Future
+
+    from ssd.modes.ssd import SSDMode
+    from ssd.workers.draft_worker import Resolution
+    from ssd.workers.messages import Draft
+
+    mode = SSDMode.__new__(SSDMode)
+    took: Future = Future()
+    took.set_result([Resolution(1, True, Draft(seq_id=1, tokens=[4, 5]), None)])
+    mode._pending = (took, [[4, 5]])
+    mode._settle_resolve()
+    assert mode._pending is None
+    other: Future = Future()
+    other.set_result([Resolution(1, True, Draft(seq_id=1, tokens=[4, 5]), None)])
+    mode._pending = (other, [[4, 6]])
+    with pytest.raises(RuntimeError, match="disagrees"):
+        mode._settle_resolve()

@@ -231,6 +231,9 @@ class DraftWorker(ModelWorker):
     def speculate(self, requests: list[SpecRequest]) -> dict:
         """While the target verifies x_1..x_K: fill the outcome cache for every likely (k, t*).
 
+        Returns {"seconds", "branches", "drafts"}: "drafts" lists [seq_id, k, t*, y] for the greedy rows,
+        so the coordinator can find a hit's next draft itself (sampled rows' q stays here, for resolve).
+
         1. glue: one forward over [committed tail, x_1..x_K] gives the draft's distribution after
            each accepted prefix x_1..x_k (k = 0..K); only from the first k with F_k > 0 when x_1..x_K
            were drafted here and are still cached (see `_glue`);
@@ -307,6 +310,7 @@ class DraftWorker(ModelWorker):
                     if not states[b].spec.greedy:
                         qs[b][j].append(probs[i])
                     i += 1
+        shipped: list[list] = []  # greedy rows' next drafts: [seq_id, k, t*, y], for the coordinator to look up
         for b, r in enumerate(requests):
             entries: dict[tuple[int, int], CacheEntry] = {}
             for j, (k, t) in enumerate(branches[b]):
@@ -317,9 +321,11 @@ class DraftWorker(ModelWorker):
                 else:  # k_next == 0: nothing to draft next round, the hit only saves the sync
                     y, q, path = [], None, [*range(k)]
                 entries[(k, t)] = CacheEntry(tokens=y, q=q, path=path)
+                if states[b].spec.greedy:
+                    shipped.append([r.seq_id, k, t, list(y)])
             self.cache.fill(r.seq_id, r.round_id, entries)
         self.last_speculate_s = time.perf_counter() - t0
-        return {"seconds": self.last_speculate_s, "branches": sum(len(c) for c in branches)}
+        return {"seconds": self.last_speculate_s, "branches": sum(len(c) for c in branches), "drafts": shipped}
 
     def _glue(self, st: DraftSeq, r: SpecRequest) -> tuple[list[int], int, int]:
         """What speculate feeds for one sequence: (tokens, how many of them are committed, index of

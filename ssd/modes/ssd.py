@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from ssd.handles import WorkerDied, WorkerHandle
 from ssd.modes.recovery import DraftBackedMode
 from ssd.policy import CostModel, Ema, acceptance_counts, best_draft_len, best_sd_len, choose, round_seconds
 from ssd.sequence import Sequence
-from ssd.workers.draft_worker import SpecRequest
+from ssd.workers.draft_worker import Resolution, SpecRequest
 from ssd.workers.messages import Draft, Outcome
 from ssd.workers.ngram import ngram_match
 
@@ -93,6 +94,8 @@ class SSDMode(DraftBackedMode):
         self._missed = 0.0  # 1.0 when a sequence of this round's SSD batch missed
         self._lag: dict[int, int] = {}  # seq_id -> emitted tokens committed to the draft lazily, not yet fed
         self.prefill_ratio = Ema(0.0)  # draft / target (own cores) prefill time per prompt token
+        # An all-hit round's resolve, sent without waiting, and the drafts the coordinator took for it
+        self._pending: tuple[Any, list[list[int]]] | None = None
 
     # -- sequences ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -321,10 +324,43 @@ class SSDMode(DraftBackedMode):
 
     def _draft_call(self, method: str, *args):
         try:
-            return self.draft.call(method, *args).result()
+            result = self.draft.call(method, *args).result()
+            self._settle_resolve()  # ran before this call on the draft's queue
+            return result
         except WorkerDied as e:
             self._draft_lost(e)
             raise DraftLost() from e
+
+    def _draft_lost(self, err: WorkerDied) -> None:
+        self._pending = None
+        super()._draft_lost(err)
+
+    @staticmethod
+    def _shipped_hits(resolve_in: list[tuple[int, int, list[int], int]], shipped: list | None
+                      ) -> list[list[int]] | None:
+        """The next drafts of a round in which every sequence hit, found in the drafts speculate shipped
+        (the hit rule of DraftWorker.resolve); None if any sequence missed or shipped none (sampled)."""
+        if shipped is None:
+            return None
+        table = {(sid, k, t): y for sid, k, t, y in shipped}
+        nexts = []
+        for sid, k, emitted, k_next in resolve_in:
+            y = table.get((sid, k, emitted[-1]))
+            if y is None or len(y) < k_next:
+                return None
+            nexts.append(y[:k_next])
+        return nexts
+
+    def _settle_resolve(self) -> None:
+        """Check an all-hit round's resolve, sent without waiting: the draft must have taken the drafts the
+        coordinator took. WorkerDied propagates."""
+        if self._pending is None:
+            return
+        fut, want = self._pending
+        self._pending = None
+        got = [(r.hit, r.draft.tokens if r.draft is not None else None) for r in fut.result()]
+        if got != [(True, y) for y in want]:
+            raise RuntimeError(f"the draft's outcome cache disagrees with the drafts it shipped: {got} != {want}")
 
     def _plain_round(self, seqs: list[Sequence]) -> list[Outcome]:
         """The policy chose AR: no drafts; the draft just learns the emitted tokens."""
@@ -364,6 +400,7 @@ class SSDMode(DraftBackedMode):
         t1 = time.perf_counter()
         try:
             info = fut_s.result()
+            self._settle_resolve()  # last round's, ahead of this speculation on the draft's queue
         except WorkerDied as e:
             self._draft_lost(e)
             raise DraftLost(drafts, outcomes) from e
@@ -373,12 +410,21 @@ class SSDMode(DraftBackedMode):
             k_next = max(0, min(self.k, s.remaining - len(o.tokens) - 1))
             resolve_in.append((s.seq_id, o.num_accepted, o.tokens, k_next))
         fo = [self.planner.plan(s.seq_id, "primary") for s in seqs]
-        try:
-            # The target has verified: a neural backup's just-in-time draft may use its cores too.
-            resolutions = self.draft.call("resolve", resolve_in, neural, fo, neural and self.draft_borrow).result()
-        except WorkerDied as e:
-            self._draft_lost(e)
-            raise DraftLost(drafts, outcomes) from e
+        # The target has verified: a neural backup's just-in-time draft may use its cores too.
+        resolve_args = (resolve_in, neural, fo, neural and self.draft_borrow)
+        shipped = self._shipped_hits(resolve_in, info.get("drafts"))
+        if shipped is not None:
+            # Every sequence hit a draft speculate shipped: the next round starts now, and the draft commits
+            # the hits (resolve) ahead of its next call, without a round trip on the critical path.
+            self._pending = (self.draft.call("resolve", *resolve_args), shipped)
+            resolutions = [Resolution(s.seq_id, True, Draft(seq_id=s.seq_id, tokens=y, q_kind="none"), None)
+                           for s, y in zip(seqs, shipped)]
+        else:
+            try:
+                resolutions = self.draft.call("resolve", *resolve_args).result()
+            except WorkerDied as e:
+                self._draft_lost(e)
+                raise DraftLost(drafts, outcomes) from e
         t_wait = time.perf_counter() - t1
         self.stats.draft_s += t_wait  # speculation overrun + lookup + backup
         if self.tuner is not None and len(seqs) == 1 and len(drafts[0].tokens) == requests[0].k_next:
