@@ -41,6 +41,48 @@ def test_each_token_alone_gives_the_same_bits(threads):
         torch.set_num_threads(old)
 
 
+def verification_case(seed: int, hd: int = 128):
+    """A verification's 8 tokens of one slot (keys 0..120+i, sharing a job), a tree token and another slot."""
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(2, 2, 160, hd, generator=g).bfloat16()
+    vc = torch.randn(2, 2, 160, hd, generator=g).bfloat16()
+    rows = [(0, i, 1, 121 + i) for i in range(8)] + [(1, 0, 1, torch.tensor([0, 7, 50, 129])), (2, 0, 0, 40)]
+    q = torch.randn(len(rows), 12, hd, generator=g).bfloat16()
+    return q, kc, vc, rows
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rows_sharing_converted_keys_give_their_own_bits(threads):
+    """Rows of one slot share a job (keys and values converted once): each still gets the bits it gets
+    alone, at every thread count (which decides how rows group)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, kc, vc, rows = verification_case(seed=4)
+        full = qk.attend_rows(q, kc, vc, qk.RowPlan.from_rows(rows))
+        for j, row in enumerate(rows):
+            assert torch.equal(qk.attend_rows(q[j : j + 1], kc, vc, qk.RowPlan.from_rows([row])), full[j : j + 1])
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(full.float(), qk.ref_attend_rows(q, kc, vc, qk.RowPlan.from_rows(rows)).float(),
+                               rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("build", [name for name in qk.ISA_FLAGS if name != "avx2"])
+def test_attention_builds_give_the_avx2_bits(build, monkeypatch):
+    """The AVX-512 build sums p * v in 16-lane vectors: the same operation per element as avx2's 8 lanes."""
+    if build not in qk.supported_isas():
+        pytest.skip(f"this CPU cannot run the {build} build")
+    q, kc, vc, rows = verification_case(seed=5)
+    plan = qk.RowPlan.from_rows(rows)
+    outs = []
+    for name in ("avx2", build):
+        lib = qk.load(name)
+        monkeypatch.setattr(qk, "_lib", lambda lib=lib: lib)
+        outs.append(qk.attend_rows(q, kc, vc, plan))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_strided_queries_and_bad_input():
     q, kc, vc, rows = case(torch.float32, seed=2)
     plan = qk.RowPlan.from_rows(rows)

@@ -969,99 +969,136 @@ void ssd_rmsnorm(const void* x, const void* weight, void* out, int bf16, int M, 
 // q_stride (elements), out: [R, H, hd] contiguous; caches: one
 // layer [S, Hkv, max_len, hd]; q, caches and out share one dtype (bf16 or fp32); math in fp32.
 // One token's result depends on its own query and keys only, so it is batch invariant.
-// Thread t of nt: its contiguous share of the (row, kv head) jobs.
+// Jobs: (rows, kv head). Consecutive rows of one slot that see a prefix of it (off < 0, as a verification's
+// tokens do) share a job of up to max(1, R / nt) rows, whose key and value rows are converted to fp32 once
+// (exact, so each row's arithmetic is what it is alone); a tree row is a job of its own. Thread t of nt:
+// its contiguous share of the jobs.
 void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const void* vc, void* out, int bf16, int R,
                       int H, int Hkv, int hd, int max_len, const int32_t* slot, const int32_t* len, const int64_t* off,
                       const int64_t* idx, int t, int nt) {
-    const int group = H / Hkv, jobs = R * Hkv;
+    const int group = H / Hkv;
     const float scale = 1.0f / sqrtf(static_cast<float>(hd));
+    // The row groups (first row of each), the same in every thread.
+    const int per = R / nt > 1 ? R / nt : 1;
+    int* starts = static_cast<int*>(malloc(sizeof(int) * (R + 1)));
+    int n_groups = 0;
+    for (int r = 0; r < R;) {
+        int e = r + 1;
+        if (off[r] < 0)
+            while (e < R && e - r < per && off[e] < 0 && slot[e] == slot[r]) ++e;
+        starts[n_groups++] = r;
+        r = e;
+    }
+    starts[n_groups] = R;
+    const int jobs = n_groups * Hkv;
     const int j0 = static_cast<int>(static_cast<int64_t>(jobs) * t / nt);
     const int j1 = static_cast<int>(static_cast<int64_t>(jobs) * (t + 1) / nt);
+    auto load = [&](const void* base, size_t at, float* dst) {
+        if (bf16) {
+            const uint16_t* p = static_cast<const uint16_t*>(base) + at;
+            int d = 0;
+            for (; d + 8 <= hd; d += 8) load8(base, static_cast<int64_t>(at) + d, 1, dst + d);
+            for (; d < hd; ++d) dst[d] = bf16_to_f32(p[d]);
+        } else {
+            memcpy(dst, static_cast<const float*>(base) + at, sizeof(float) * hd);
+        }
+    };
     for (int job = j0; job < j1; ++job) {
-        const int r = job / Hkv, kvh = job % Hkv;
-        const int L = len[r];
-        float* buf = new float[static_cast<size_t>(group) * (2 * hd + L) + hd + static_cast<size_t>(L) * hd];
+        const int gi = job / Hkv, kvh = job % Hkv, r0 = starts[gi], r1 = starts[gi + 1];
+        int L = 0;  // positions any row of the job sees
+        for (int r = r0; r < r1; ++r) L = len[r] > L ? len[r] : L;
+        float* buf = new float[static_cast<size_t>(group) * (2 * hd + L) + 2 * static_cast<size_t>(L) * hd];
         float* qf = buf;                                    // [group, hd]
         float* sc = buf + static_cast<size_t>(group) * hd;  // [group, L]
         float* acc = sc + static_cast<size_t>(group) * L;   // [group, hd]
-        float* row = acc + static_cast<size_t>(group) * hd; // [hd]: one key row in fp32
-        float* vf = row + hd;                               // [L, hd]: the value rows in fp32
-        auto load = [&](const void* base, size_t at, float* dst) {
-            if (bf16) {
-                const uint16_t* p = static_cast<const uint16_t*>(base) + at;
-                int d = 0;
-                for (; d + 8 <= hd; d += 8) load8(base, static_cast<int64_t>(at) + d, 1, dst + d);
-                for (; d < hd; ++d) dst[d] = bf16_to_f32(p[d]);
-            } else {
-                memcpy(dst, static_cast<const float*>(base) + at, sizeof(float) * hd);
-            }
-        };
-        for (int g = 0; g < group; ++g)
-            load(q, static_cast<size_t>(r) * q_stride + static_cast<size_t>(kvh * group + g) * hd, qf + g * hd);
-        const size_t head_base = (static_cast<size_t>(slot[r]) * Hkv + kvh) * max_len;
-        auto pos_of = [&](int l) -> size_t { return off[r] < 0 ? l : static_cast<size_t>(idx[off[r] + l]); };
+        float* kf = acc + static_cast<size_t>(group) * hd;  // [L, hd]: the key rows in fp32
+        float* vf = kf + static_cast<size_t>(L) * hd;       // [L, hd]: the value rows in fp32
+        const size_t head_base = (static_cast<size_t>(slot[r0]) * Hkv + kvh) * max_len;
+        auto pos_of = [&](int l) -> size_t { return off[r0] < 0 ? l : static_cast<size_t>(idx[off[r0] + l]); };
         for (int l = 0; l < L; ++l) {
-            load(kc, (head_base + pos_of(l)) * hd, row);
-            int g = 0;
-            for (; g + 4 <= group; g += 4) {
-                float d4[4];
-                dot4_f32(qf + g * hd, hd, row, hd, d4);
-                for (int j = 0; j < 4; ++j) sc[(g + j) * L + l] = d4[j] * scale;
-            }
-            for (; g < group; ++g) sc[g * L + l] = dot_f32(qf + g * hd, row, hd) * scale;
+            load(kc, (head_base + pos_of(l)) * hd, kf + static_cast<size_t>(l) * hd);
+            load(vc, (head_base + pos_of(l)) * hd, vf + static_cast<size_t>(l) * hd);
         }
-        for (int g = 0; g < group; ++g) {
-            float* s = sc + static_cast<size_t>(g) * L;
-            float mx = -INFINITY;
-            for (int l = 0; l < L; ++l) mx = s[l] > mx ? s[l] : mx;
-            for (int l = 0; l < L; l += 8) {  // exp8 on 8 positions at a time (a padded last chunk)
-                alignas(32) float t[8] = {};
-                const int n = L - l < 8 ? L - l : 8;
-                for (int j = 0; j < n; ++j) t[j] = s[l + j] - mx;
-                _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
-                memcpy(s + l, t, sizeof(float) * n);
-            }
-            float sum = 0.0f;
-            for (int l = 0; l < L; ++l) sum += s[l];
-            const float inv = 1.0f / sum;
-            for (int l = 0; l < L; ++l) s[l] *= inv;
-        }
-        // acc[g] = sum over l of p[g, l] * v[l], added in order of l from 0 (one mul and one add per
-        // element). The value rows are converted once; each head then keeps 64 columns of its sum in
-        // registers over all positions instead of loading and storing them per position.
-        for (int l = 0; l < L; ++l) load(vc, (head_base + pos_of(l)) * hd, vf + static_cast<size_t>(l) * hd);
-        for (int g = 0; g < group; ++g) {
-            const float* p = sc + static_cast<size_t>(g) * L;
-            float* a = acc + static_cast<size_t>(g) * hd;
-            int d0 = 0;
-            for (; d0 + 64 <= hd; d0 += 64) {
-                __m256 s8[8];
-                for (int j = 0; j < 8; ++j) s8[j] = _mm256_setzero_ps();
-                for (int l = 0; l < L; ++l) {
-                    const __m256 pl = _mm256_set1_ps(p[l]);
-                    const float* v = vf + static_cast<size_t>(l) * hd + d0;
-#pragma GCC unroll 8
-                    for (int j = 0; j < 8; ++j) s8[j] = _mm256_add_ps(s8[j], _mm256_mul_ps(pl, _mm256_loadu_ps(v + 8 * j)));
+        for (int r = r0; r < r1; ++r) {
+            const int Lr = len[r];
+            for (int g = 0; g < group; ++g)
+                load(q, static_cast<size_t>(r) * q_stride + static_cast<size_t>(kvh * group + g) * hd, qf + g * hd);
+            for (int l = 0; l < Lr; ++l) {
+                const float* row = kf + static_cast<size_t>(l) * hd;
+                int g = 0;
+                for (; g + 4 <= group; g += 4) {
+                    float d4[4];
+                    dot4_f32(qf + g * hd, hd, row, hd, d4);
+                    for (int j = 0; j < 4; ++j) sc[(g + j) * Lr + l] = d4[j] * scale;
                 }
-                for (int j = 0; j < 8; ++j) _mm256_storeu_ps(a + d0 + 8 * j, s8[j]);
+                for (; g < group; ++g) sc[g * Lr + l] = dot_f32(qf + g * hd, row, hd) * scale;
             }
-            for (int d = d0; d < hd; ++d) {
-                float t = 0.0f;
-                for (int l = 0; l < L; ++l) t += p[l] * vf[static_cast<size_t>(l) * hd + d];
-                a[d] = t;
+            for (int g = 0; g < group; ++g) {
+                float* s = sc + static_cast<size_t>(g) * Lr;
+                float mx = -INFINITY;
+                for (int l = 0; l < Lr; ++l) mx = s[l] > mx ? s[l] : mx;
+                for (int l = 0; l < Lr; l += 8) {  // exp8 on 8 positions at a time (a padded last chunk)
+                    alignas(32) float e8[8] = {};
+                    const int n = Lr - l < 8 ? Lr - l : 8;
+                    for (int j = 0; j < n; ++j) e8[j] = s[l + j] - mx;
+                    _mm256_store_ps(e8, exp8(_mm256_load_ps(e8)));
+                    memcpy(s + l, e8, sizeof(float) * n);
+                }
+                float sum = 0.0f;
+                for (int l = 0; l < Lr; ++l) sum += s[l];
+                const float inv = 1.0f / sum;
+                for (int l = 0; l < Lr; ++l) s[l] *= inv;
             }
-        }
-        for (int g = 0; g < group; ++g) {
-            const size_t at = (static_cast<size_t>(r) * H + kvh * group + g) * hd;
-            for (int d = 0; d < hd; ++d) {
-                if (bf16)
-                    static_cast<uint16_t*>(out)[at + d] = f32_to_bf16(acc[g * hd + d]);
-                else
-                    static_cast<float*>(out)[at + d] = acc[g * hd + d];
+            // acc[g] = sum over l of p[g, l] * v[l], added in order of l from 0 (one mul and one add per
+            // element); each head keeps 64 columns of its sum in registers over all positions (AVX-512: in
+            // 4 vectors of 16 instead of 8 of 8, the same operation per element).
+            for (int g = 0; g < group; ++g) {
+                const float* p = sc + static_cast<size_t>(g) * Lr;
+                float* a = acc + static_cast<size_t>(g) * hd;
+                int d0 = 0;
+                for (; d0 + 64 <= hd; d0 += 64) {
+#if defined(__AVX512F__)
+                    __m512 s16[4];
+                    for (int j = 0; j < 4; ++j) s16[j] = _mm512_setzero_ps();
+                    for (int l = 0; l < Lr; ++l) {
+                        const __m512 pl = _mm512_set1_ps(p[l]);
+                        const float* v = vf + static_cast<size_t>(l) * hd + d0;
+#pragma GCC unroll 4
+                        for (int j = 0; j < 4; ++j)
+                            s16[j] = _mm512_add_ps(s16[j], _mm512_mul_ps(pl, _mm512_loadu_ps(v + 16 * j)));
+                    }
+                    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(a + d0 + 16 * j, s16[j]);
+#else
+                    __m256 s8[8];
+                    for (int j = 0; j < 8; ++j) s8[j] = _mm256_setzero_ps();
+                    for (int l = 0; l < Lr; ++l) {
+                        const __m256 pl = _mm256_set1_ps(p[l]);
+                        const float* v = vf + static_cast<size_t>(l) * hd + d0;
+#pragma GCC unroll 8
+                        for (int j = 0; j < 8; ++j) s8[j] = _mm256_add_ps(s8[j], _mm256_mul_ps(pl, _mm256_loadu_ps(v + 8 * j)));
+                    }
+                    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(a + d0 + 8 * j, s8[j]);
+#endif
+                }
+                for (int d = d0; d < hd; ++d) {
+                    float acc_d = 0.0f;
+                    for (int l = 0; l < Lr; ++l) acc_d += p[l] * vf[static_cast<size_t>(l) * hd + d];
+                    a[d] = acc_d;
+                }
+            }
+            for (int g = 0; g < group; ++g) {
+                const size_t at = (static_cast<size_t>(r) * H + kvh * group + g) * hd;
+                for (int d = 0; d < hd; ++d) {
+                    if (bf16)
+                        static_cast<uint16_t*>(out)[at + d] = f32_to_bf16(acc[g * hd + d]);
+                    else
+                        static_cast<float*>(out)[at + d] = acc[g * hd + d];
+                }
             }
         }
         delete[] buf;
     }
+    free(starts);
 }
 
 void ssd_attend_rows(const void* q, int64_t q_stride, const void* kc, const void* vc, void* out, int bf16, int R,
