@@ -924,6 +924,56 @@ void dense_part(const void* w, int w_bf16, const DenseInput& in, int M, int N, i
 
 }  // namespace
 
+namespace {
+
+// fp32 vectors of 8 (AVX2) or 16 (AVX-512) lanes, for code written once for both widths.
+template <int LANES>
+struct F32;
+template <>
+struct F32<8> {
+    using V = __m256;
+    static constexpr int lanes = 8;
+    static __m256 zero() { return _mm256_setzero_ps(); }
+    static __m256 set1(float x) { return _mm256_set1_ps(x); }
+    static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+    static __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+    static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+};
+#if defined(__AVX512F__)
+template <>
+struct F32<16> {
+    using V = __m512;
+    static constexpr int lanes = 16;
+    static __m512 zero() { return _mm512_setzero_ps(); }
+    static __m512 set1(float x) { return _mm512_set1_ps(x); }
+    static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+    static __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+    static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+};
+#endif
+
+// out[0..63] = sum over l of p[l] * vf[l, d0 + 0..63], added in order of l from 0 (one mul and one add per
+// element, whatever the vector width: the same bits), the 64 sums kept in registers over all positions.
+template <int LANES>
+inline void pv_columns(const float* p, const float* vf, int L, int hd, float* out, int d0) {
+    using F = F32<LANES>;
+    using V = typename F::V;
+    constexpr int nv = 64 / LANES;
+    V sum[nv];
+    for (int j = 0; j < nv; ++j) sum[j] = F::zero();
+    for (int l = 0; l < L; ++l) {
+        const V pl = F::set1(p[l]);
+        const float* v = vf + static_cast<size_t>(l) * hd + d0;
+#pragma GCC unroll 8
+        for (int j = 0; j < nv; ++j) sum[j] = F::add(sum[j], F::mul(pl, F::load(v + F::lanes * j)));
+    }
+    for (int j = 0; j < nv; ++j) F::store(out + F::lanes * j, sum[j]);
+}
+
+}  // namespace
+
 extern "C" {
 
 // y [M, N] = x [M, K] @ W^T: quantise x's rows (as ssd_quantize_rows), then the block GEMM.
@@ -1049,37 +1099,17 @@ void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const voi
                 const float inv = 1.0f / sum;
                 for (int l = 0; l < Lr; ++l) s[l] *= inv;
             }
-            // acc[g] = sum over l of p[g, l] * v[l], added in order of l from 0 (one mul and one add per
-            // element); each head keeps 64 columns of its sum in registers over all positions (AVX-512: in
-            // 4 vectors of 16 instead of 8 of 8, the same operation per element).
+            // acc[g] = sum over l of p[g, l] * v[l], 64 columns at a time (pv_columns; AVX-512: 16 lanes).
             for (int g = 0; g < group; ++g) {
                 const float* p = sc + static_cast<size_t>(g) * Lr;
                 float* a = acc + static_cast<size_t>(g) * hd;
                 int d0 = 0;
-                for (; d0 + 64 <= hd; d0 += 64) {
+                for (; d0 + 64 <= hd; d0 += 64)
 #if defined(__AVX512F__)
-                    __m512 s16[4];
-                    for (int j = 0; j < 4; ++j) s16[j] = _mm512_setzero_ps();
-                    for (int l = 0; l < Lr; ++l) {
-                        const __m512 pl = _mm512_set1_ps(p[l]);
-                        const float* v = vf + static_cast<size_t>(l) * hd + d0;
-#pragma GCC unroll 4
-                        for (int j = 0; j < 4; ++j)
-                            s16[j] = _mm512_add_ps(s16[j], _mm512_mul_ps(pl, _mm512_loadu_ps(v + 16 * j)));
-                    }
-                    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(a + d0 + 16 * j, s16[j]);
+                    pv_columns<16>(p, vf, Lr, hd, a + d0, d0);
 #else
-                    __m256 s8[8];
-                    for (int j = 0; j < 8; ++j) s8[j] = _mm256_setzero_ps();
-                    for (int l = 0; l < Lr; ++l) {
-                        const __m256 pl = _mm256_set1_ps(p[l]);
-                        const float* v = vf + static_cast<size_t>(l) * hd + d0;
-#pragma GCC unroll 8
-                        for (int j = 0; j < 8; ++j) s8[j] = _mm256_add_ps(s8[j], _mm256_mul_ps(pl, _mm256_loadu_ps(v + 8 * j)));
-                    }
-                    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(a + d0 + 8 * j, s8[j]);
+                    pv_columns<8>(p, vf, Lr, hd, a + d0, d0);
 #endif
-                }
                 for (int d = d0; d < hd; ++d) {
                     float acc_d = 0.0f;
                     for (int l = 0; l < Lr; ++l) acc_d += p[l] * vf[static_cast<size_t>(l) * hd + d];
