@@ -242,8 +242,9 @@ def place_workers(
         opts: dict[str, Any] = {"num_cpus": ap.num_cpus, "num_gpus": ap.num_gpus}
         if ap.resources:
             opts["resources"] = ap.resources
-        if ap.device == "cpu" and openmp_env():
-            opts["runtime_env"] = {"env_vars": openmp_env()}
+        env = openmp_env() if ap.device == "cpu" else {}
+        if env:
+            opts["runtime_env"] = {"env_vars": env}
         if pg is not None and ap.bundle is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=ap.bundle

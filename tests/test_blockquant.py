@@ -75,8 +75,8 @@ def test_rows_are_independent_bitwise(cls, dtype, threads, k):
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("m", [1, 8])  # single tiles / tile pairs in the AVX-512 build
 def test_thread_split_keeps_the_bits(cls, m):
-    """1, 2 and 3 threads give the same bits: each thread's static share plus the chunks claimed from the
-    shared cursor (N large enough for both parts, 3 threads for uneven shares)."""
+    """1, 2 and 3 threads give the same bits (3 threads: uneven shares of the tiles / rows; N large enough
+    that every thread takes several weight chunks)."""
     old = torch.get_num_threads()
     g = torch.Generator().manual_seed(5)
     lin = cls.from_float(torch.randn(1601, 512, generator=g), None, torch.bfloat16)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
 
 import torch
 
 from ssd.autoconfig import SSDTuner
 from ssd.fanout import FanoutPlanner
-from ssd.handles import WorkerDied, WorkerHandle
+from ssd.handles import WorkerDied, WorkerFuture, WorkerHandle
 from ssd.modes.recovery import DraftBackedMode
 from ssd.policy import CostModel, Ema, acceptance_counts, best_draft_len, best_sd_len, choose, round_seconds
 from ssd.sequence import Sequence
@@ -95,7 +94,7 @@ class SSDMode(DraftBackedMode):
         self._lag: dict[int, int] = {}  # seq_id -> emitted tokens committed to the draft lazily, not yet fed
         self.prefill_ratio = Ema(0.0)  # draft / target (own cores) prefill time per prompt token
         # An all-hit round's resolve, sent without waiting, and the drafts the coordinator took for it
-        self._pending: tuple[Any, list[list[int]]] | None = None
+        self._pending: tuple[WorkerFuture, list[list[int]]] | None = None
 
     # -- sequences ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
