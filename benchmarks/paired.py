@@ -10,7 +10,8 @@ ratio of the totals.
     python benchmarks/paired.py --modes sd,auto --placement b --raw-humaneval --max-tokens 96 \\
         --quantization w4a8 --draft-vocab 32768 --out results/paired.json
 
-Greedy, batch 1; the outputs of every mode must be equal token for token (they are checked).
+Greedy, batch 1; the outputs of every mode must be equal token for token (they are checked). A mode may
+carry engine settings after `+`, to compare variants of one mode: `--modes ssd+candidates=quota,ssd`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench import add_model_args, as_fed, placement_kwargs, prompt_sets  # noqa: E402
 
 from ssd import LLM, SamplingParams  # noqa: E402
+
+
+def variant(label: str) -> tuple[str, dict]:
+    """'ssd+candidates=quota+fanout=4' -> ('ssd', {'candidates': 'quota', 'fanout': 4})."""
+    mode, *settings = label.split("+")
+    kw: dict = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"mode setting {item!r} in {label!r} is not key=value")
+        for cast in (int, float):
+            try:
+                kw[key] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            kw[key] = value
+    return mode, kw
 
 
 def rotation(modes: list[str], i: int) -> list[str]:
@@ -52,6 +72,9 @@ def summary(per_prompt: list[dict[str, dict]], base: str) -> dict[str, dict]:
         out[m] = {"decode_tokens_per_s": round(total_rate(m), 2),
                   "vs_base_geomean": round(math.exp(sum(logs) / len(logs)), 3),
                   "vs_base_total": round(total_rate(m) / base_total, 3)}
+        looked_up = sum(p[m].get("cache_hits", 0) + p[m].get("cache_misses", 0) for p in per_prompt)
+        if looked_up:  # SSD modes: the share of outcome-cache lookups that hit
+            out[m]["hit_rate"] = round(sum(p[m].get("cache_hits", 0) for p in per_prompt) / looked_up, 3)
     return out
 
 
@@ -83,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     llms = {}
     try:
         for m in modes:
-            draft = None if m in ("ar", "ngram") else args.draft
-            llms[m] = LLM(target=args.target, draft=draft, mode=m, dtype=args.dtype, max_batch=1, max_len=2048,
-                          use_ray=True, **placement_kwargs(args.placement, m, cores), **extra)
+            mode, settings = variant(m)
+            draft = None if mode in ("ar", "ngram") else args.draft
+            llms[m] = LLM(target=args.target, draft=draft, mode=mode, dtype=args.dtype, max_batch=1, max_len=2048,
+                          use_ray=True, **placement_kwargs(args.placement, mode, cores), **{**extra, **settings})
             warm = as_fed(llms[m].tokenizer, "warm-up", ["hello"])
             llms[m].generate(warm, SamplingParams(temperature=0, max_tokens=8))
         tok = llms[modes[0]].tokenizer
@@ -103,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                         row[m] = {"decode_tokens": len(o.token_ids) - 1,
                                   "decode_s": o.metrics["latency_s"] - o.metrics["ttft_s"],
                                   "token_ids": list(o.token_ids),
+                                  "cache_hits": o.metrics.get("cache_hits", 0),
+                                  "cache_misses": o.metrics.get("cache_misses", 0),
                                   "policy": {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}}
                     same = all(row[m]["token_ids"] == row[modes[0]]["token_ids"] for m in modes)
                     per_prompt.append(row)
@@ -116,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         for llm in llms.values():
             llm.shutdown()
         ray.shutdown()
-    print(f"\n| mode | decode tok/s | vs {modes[0]} (geomean of prompts) | vs {modes[0]} (totals) |")
-    print("|---|---|---|---|")
+    print(f"\n| mode | decode tok/s | vs {modes[0]} (geomean of prompts) | vs {modes[0]} (totals) | hit rate |")
+    print("|---|---|---|---|---|")
     for m, s in results["summary"].items():
-        print(f"| {m} | {s['decode_tokens_per_s']} | {s['vs_base_geomean']}x | {s['vs_base_total']}x |")
+        print(f"| {m} | {s['decode_tokens_per_s']} | {s['vs_base_geomean']}x | {s['vs_base_total']}x "
+              f"| {s.get('hit_rate', '')} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

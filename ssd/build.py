@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ssd.autoconfig import K_CHOICES, AutoConfig, KTuner, SSDTuner, autoconfigure, feed_time, spec_time
+from ssd.autoconfig import K_CHOICES, AutoConfig, KTuner, RankedHits, SSDTuner, autoconfigure, feed_time, spec_time
 from ssd.config import Config
 from ssd.engine import Engine
 from ssd.fanout import FanoutPlanner
@@ -25,6 +25,11 @@ def make_fanout_planner(cfg: Config, k: int) -> FanoutPlanner:
         return FanoutPlanner(K=k, B=sum(cfg.fanout), explicit=list(cfg.fanout))
     budget = cfg.fanout if isinstance(cfg.fanout, int) else DEFAULT_FANOUT_PER_POSITION * (k + 1)
     return FanoutPlanner(K=k, B=budget, kind=cfg.fanout_kind)
+
+
+def ranked_candidates(cfg: Config) -> bool:
+    """Whether greedy rows rank SSD's outcomes (Config.candidates); an explicit fan-out list is a quota."""
+    return cfg.candidates == "ranked" and not isinstance(cfg.fanout, list)
 
 
 def draft_headroom(cfg: Config) -> int:
@@ -57,7 +62,8 @@ def make_mode(
         if cfg.mode == "sd":
             tuner = KTuner(t_verify=ac.t_verify, t_draft1=ac.t_draft1)
         elif cfg.fanout is None:  # K and B both auto: re-chosen every round (a user's fan-out stays)
-            ssd_tuner = SSDTuner(t_verify=ac.t_verify, t_chain=ac.t_chain, t_branch=ac.t_draft)
+            ssd_tuner = SSDTuner(t_verify=ac.t_verify, t_chain=ac.t_chain, t_branch=ac.t_draft,
+                                 ranked=RankedHits() if ranked_candidates(cfg) else None)
         if cfg.fanout is None and ac.budget:
             cfg.fanout = ac.budget
     k = cfg.k or DEFAULT_K
@@ -96,7 +102,8 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
         # Worker kwargs beyond dtype/device/slots/len/threads/cores: keep in step with the local path below.
         common = dict(quantization=cfg.quantization, linear_kernel=cfg.linear_kernel, cuda_graphs=cfg.cuda_graphs)
         draft_kwargs = dict(common, max_len=cfg.max_len + draft_headroom(cfg), saguaro_c=cfg.saguaro_c,
-                            quantization=cfg.draft_quantization, draft_vocab=cfg.draft_vocab)
+                            quantization=cfg.draft_quantization, draft_vocab=cfg.draft_vocab,
+                            ranked=ranked_candidates(cfg))
         rtarget, rdraft, rinfo, rtok = place_workers(cfg, target_kwargs=common, draft_kwargs=draft_kwargs)
         return _assemble(cfg, rtarget, rdraft, rinfo, rtok, [h for h in (rtarget, rdraft) if h is not None])
 
@@ -118,7 +125,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
             cfg.draft, dtype=cfg.dtype, device=cfg.draft_device or cfg.device, max_slots=max_slots,
             max_len=cfg.max_len + draft_headroom(cfg), num_threads=cfg.draft_threads, cpu_cores=cfg.draft_cores,
             saguaro_c=cfg.saguaro_c, quantization=cfg.draft_quantization, linear_kernel=cfg.linear_kernel,
-            cuda_graphs=cfg.cuda_graphs, draft_vocab=cfg.draft_vocab,
+            cuda_graphs=cfg.cuda_graphs, draft_vocab=cfg.draft_vocab, ranked=ranked_candidates(cfg),
         )
         dinfo = draft_w.info()
         if dinfo["vocab_size"] != info["vocab_size"]:

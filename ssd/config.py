@@ -33,6 +33,10 @@ class Config:
     k: int | None = None  # draft length; None = chosen from measured latencies
     fanout: int | list[int] | None = None  # SSD budget B (int) or explicit F_0..F_K
     fanout_kind: str = "geometric"  # or "uniform"
+    # How greedy rows spend SSD's budget B: "ranked" on the B outcomes (k, t*) the draft finds likeliest
+    # (its probability of x_1..x_k, then t*), "quota" on F_k candidates per k as the fan-out gives them.
+    # Sampled rows and an explicit fan-out list always use the quotas.
+    candidates: str = "ranked"
     saguaro_c: float = 1.0  # Saguaro sampling coefficient (1.0 = plain draft sampling)
     backup: str = "auto"
     max_batch: int = 8
@@ -74,6 +78,8 @@ class Config:
                 f"unknown draft_quantization {self.draft_quantization!r}; use 'same', None or one of "
                 f"{', '.join(QUANT_MODES)}"
             )
+        if self.candidates not in ("ranked", "quota"):
+            raise ValueError(f"candidates must be 'ranked' or 'quota', got {self.candidates!r}")
         if self.draft_vocab is not None and not (isinstance(self.draft_vocab, int) and self.draft_vocab >= 1):
             raise ValueError(f"draft_vocab must be a positive integer or None, got {self.draft_vocab!r}")
         if self.linear_kernel not in LINEAR_KERNELS:

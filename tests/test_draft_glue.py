@@ -13,7 +13,7 @@ K = 3
 
 def full_glue(w: DraftWorker):
     """The reference: roll back to the committed tokens and re-feed the last one and x_1..x_K."""
-    def glue(st, r):
+    def glue(st, r, first_needed):
         feeds = w._sync(st)
         return feeds + r.tokens, len(feeds), len(feeds) - 1
     return glue

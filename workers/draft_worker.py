@@ -22,6 +22,7 @@ from ssd.workers.base import ModelWorker
 from ssd.workers.messages import Draft, SamplingSpec
 from ssd.workers.models.decoder import DecoderModel
 from ssd.workers.models.vocab_subset import draft_vocab_ids, restrict_head
+from ssd.workers.ranking import RANK_TOP, AcceptanceByConfidence, Top, confidences, ranked_outcomes
 from ssd.workers.seq_state import make_generator
 
 FEED_AHEAD_LAG = 2  # committed tokens a feed-ahead commit may leave uncached
@@ -39,6 +40,13 @@ class DraftSeq:
     spec_fed: list[int] = field(default_factory=list)  # speculative tokens cached after `base`
     region_start: int = -1  # SSD: cache position of x_1 in the open tree region
     round_id: int = -1
+    # Ranked candidates (greedy rows): the tokens last drafted here after the committed ones and the top of
+    # the distribution each was drafted from (tops[j]: after x_0..x_j), kept by a draft with the whole
+    # vocabulary, so speculate needs no glue rows to rank outcomes before x_K; and the confidences
+    # c_k = q_k(x_{k+1}) of the speculation awaiting resolve, which calibrate g (workers/ranking.py).
+    drafted: list[int] = field(default_factory=list)
+    tops: list[Top] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -64,12 +72,21 @@ class Resolution:
 class DraftWorker(ModelWorker):
     salt = 2
 
-    def __init__(self, *args, saguaro_c: float = 1.0, draft_vocab: int | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, saguaro_c: float = 1.0, draft_vocab: int | None = None, ranked: bool = False, **kwargs
+    ) -> None:
         self.draft_vocab = draft_vocab  # read by load_model, which the base class calls
         super().__init__(*args, **kwargs)
         self.dseqs: dict[int, DraftSeq] = {}
         self.cache = OutcomeCache()
         self.saguaro_c = saguaro_c
+        # ranked: greedy rows spend speculate's budget on the outcomes the draft finds likeliest
+        # (workers/ranking.py) instead of F_k per accepted length k
+        self.ranked = ranked
+        self.acceptance = AcceptanceByConfidence()
+        # A restricted output layer's distributions miss the target tokens outside its ids, which end a
+        # quarter of HumanEval rounds: ranking then takes every k from the glue's whole-vocabulary rows.
+        self._keep_tops = ranked and not hasattr(getattr(self.model, "lm_head", None), "full")
         self.last_propose_s = 0.0
         self.last_speculate_s = 0.0
 
@@ -115,6 +132,7 @@ class DraftWorker(ModelWorker):
         """
         st = self.dseqs[seq_id]
         self._close_region(st)
+        st.drafted, st.tops = [], []
         st.todo.extend(tokens)
         st.last = tokens[-1]
         if feed_ahead:
@@ -130,6 +148,7 @@ class DraftWorker(ModelWorker):
             self.runner.truncate(st.slot, st.base)
             st.spec_fed = []
             st.region_start = -1
+            st.confidence = []
             self.cache.drop(st.seq_id)
 
     def _sync(self, st: DraftSeq) -> list[int]:
@@ -196,6 +215,8 @@ class DraftWorker(ModelWorker):
             self._close_region(st)
         ks = [k for _, k in requests]
         feeds = [self._sync(st) for st in states]
+        for st in states:
+            st.drafted, st.tops = [], []
         tokens: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [b for b in range(len(requests)) if ks[b] > 0]
@@ -213,6 +234,9 @@ class DraftWorker(ModelWorker):
                     states[b].spec_fed.append(blk[0])
             fo = None if fanout is None else [fanout[b][min(step, len(fanout[b]) - 1)] for b in active]
             new, probs = self._sample(logits, [states[b] for b in active], fo)
+            ranked = [row for row, b in enumerate(active) if self._keep_tops and states[b].spec.greedy]
+            for row, top in zip(ranked, self._tops(logits[ranked]) if ranked else []):
+                states[active[row]].tops.append(top)
             for row, b in enumerate(active):
                 tokens[b].append(new[row])
                 if not states[b].spec.greedy:
@@ -222,6 +246,8 @@ class DraftWorker(ModelWorker):
         drafts, q_out = [], []
         for b, (sid, _) in enumerate(requests):
             greedy = states[b].spec.greedy
+            if states[b].tops:
+                states[b].drafted = list(tokens[b])
             drafts.append(Draft(seq_id=sid, tokens=tokens[b], q_kind="none" if greedy else "dist"))
             q_out.append(torch.stack(qs[b]) if qs[b] else None)
         self.last_propose_s = time.perf_counter() - t0
@@ -231,14 +257,17 @@ class DraftWorker(ModelWorker):
     def speculate(self, requests: list[SpecRequest]) -> dict:
         """While the target verifies x_1..x_K: fill the outcome cache for every likely (k, t*).
 
-        Returns {"seconds", "branches", "drafts"}: "drafts" lists [seq_id, k, t*, y] for the greedy rows,
-        so the coordinator can find a hit's next draft itself (sampled rows' q stays here, for resolve).
+        Returns {"seconds", "branches", "drafts", "fanout"}: "drafts" lists [seq_id, k, t*, y] for the greedy
+        rows, so the coordinator can find a hit's next draft itself (sampled rows' q stays here, for resolve);
+        "fanout" lists [seq_id, candidates per k] for the rows that ranked their candidates.
 
         1. glue: one forward over [committed tail, x_1..x_K] gives the draft's distribution after
            each accepted prefix x_1..x_k (k = 0..K); only from the first k with F_k > 0 when x_1..x_K
            were drafted here and are still cached (see `_glue`);
         2. candidates t* for each k: the top-F_k tokens of it, excluding x_{k+1} (a rejected token
-           can never be the correction);
+           can never be the correction); greedy rows of a `ranked` worker instead take the sum(F_k)
+           likeliest outcomes (k, t*) overall (`ranked_outcomes`), ranking those before x_K from the
+           distributions they were drafted from, so the glue feeds x_K alone;
         3. all branches x_1..x_k, t* are decoded K steps together, one batched tree-masked forward
            per step, sharing the prefix KV.
         """
@@ -246,7 +275,11 @@ class DraftWorker(ModelWorker):
         states = [self.dseqs[r.seq_id] for r in requests]
         for st in states:
             self._close_region(st)
-        glues = [self._glue(st, r) for st, r in zip(states, requests)]
+        ranked = [self.ranked and st.spec.greedy for st in states]
+        # Ranked rows rank outcomes before x_K from the tops kept when x_1..x_K were drafted here.
+        from_tops = [rk and self._has_tops(st, r) for rk, st, r in zip(ranked, states, requests)]
+        glues = [self._glue(st, r, self._first_needed(r, rk, ft))
+                 for st, r, rk, ft in zip(states, requests, ranked, from_tops)]
         # The candidates are predictions, not drafts: ranking them over the whole vocabulary keeps a target
         # token outside a restricted draft's ids predictable, and changes no q.
         logits = self.runner.forward([st.slot for st in states], [g for g, _, _ in glues], full_vocab=True)  # [B, n, V]
@@ -258,6 +291,13 @@ class DraftWorker(ModelWorker):
             st.round_id = r.round_id
             self.runner.open_tree(st.slot, st.base)  # x_1..x_K become region nodes 0..K-1
             K = len(r.tokens)
+            if ranked[b]:
+                # [V] rows: the draft's distribution after x_1..x_k is logits[b, first + k]
+                tops = st.tops[:K] if from_tops[b] else self._tops(logits[b, first: first + K])
+                tops.extend(self._tops(logits[b, first + K: first + K + 1]))
+                branches.append(ranked_outcomes(r.tokens, tops, sum(r.fanout), self.acceptance.rate))
+                st.drafted, st.tops, st.confidence = [], [], confidences(r.tokens, tops)
+                continue
             cands = []
             for k in range(K + 1):
                 f = r.fanout[k] if k < len(r.fanout) else 0
@@ -276,6 +316,8 @@ class DraftWorker(ModelWorker):
         paths = {b: [[*range(k), -1] for k, _ in branches[b]] for b in rows}  # -1: filled below
         ys: dict[int, list[list[int]]] = {b: [[] for _ in branches[b]] for b in rows}
         qs: dict[int, list[list[torch.Tensor]]] = {b: [[] for _ in branches[b]] for b in rows}
+        tops_y: dict[int, list[list[Top]]] = {b: [[] for _ in branches[b]] for b in rows
+                                              if ranked[b] and self._keep_tops}
         for step in range(max((requests[b].k_next for b in rows), default=0)):
             active = [b for b in rows if step < requests[b].k_next]
             toks, pars = [], []
@@ -302,10 +344,14 @@ class DraftWorker(ModelWorker):
                 flat_states.extend([states[b]] * nb)
                 fo = requests[b].next_fanout
                 flat_fo.extend([fo[min(step, len(fo) - 1)] if fo else 0] * nb)
-            new, probs = self._sample(torch.cat(flat_logits), flat_states, flat_fo if any(flat_fo) else None)
+            all_logits = torch.cat(flat_logits)  # [sum of branches, V]
+            new, probs = self._sample(all_logits, flat_states, flat_fo if any(flat_fo) else None)
             i = 0
             for b in active:
-                for j in range(len(branches[b])):
+                nb = len(branches[b])
+                for j, top in enumerate(self._tops(all_logits[i: i + nb]) if b in tops_y else []):
+                    tops_y[b][j].append(top)  # the next round's tops, should this branch be the outcome
+                for j in range(nb):
                     ys[b][j].append(new[i])
                     if not states[b].spec.greedy:
                         qs[b][j].append(probs[i])
@@ -320,23 +366,49 @@ class DraftWorker(ModelWorker):
                     path = paths[b][j][: k + len(y)]  # x_1..x_k, t*, y_1..y_{K-1} (y_K not fed)
                 else:  # k_next == 0: nothing to draft next round, the hit only saves the sync
                     y, q, path = [], None, [*range(k)]
-                entries[(k, t)] = CacheEntry(tokens=y, q=q, path=path)
+                tops = tops_y[b][j] if b in tops_y else None
+                entries[(k, t)] = CacheEntry(tokens=y, q=q, path=path, tops=tops)
                 if states[b].spec.greedy:
                     shipped.append([r.seq_id, k, t, list(y)])
             self.cache.fill(r.seq_id, r.round_id, entries)
         self.last_speculate_s = time.perf_counter() - t0
-        return {"seconds": self.last_speculate_s, "branches": sum(len(c) for c in branches), "drafts": shipped}
+        # Ranked rows: [seq_id, candidates per k] (the coordinator's statistics)
+        fanout = [[r.seq_id, [sum(k == j for k, _ in branches[b]) for j in range(len(r.tokens) + 1)]]
+                  for b, r in enumerate(requests) if ranked[b]]
+        return {"seconds": self.last_speculate_s, "branches": sum(len(c) for c in branches), "drafts": shipped,
+                "fanout": fanout}
 
-    def _glue(self, st: DraftSeq, r: SpecRequest) -> tuple[list[int], int, int]:
+    @staticmethod
+    def _tops(logits: torch.Tensor) -> list[Top]:
+        """The RANK_TOP likeliest tokens of each row of logits [n, V] and their probabilities."""
+        lg = logits.float()
+        top_l, top_i = lg.topk(min(RANK_TOP, lg.shape[-1]), -1)  # [n, RANK_TOP]
+        probs = (top_l - torch.logsumexp(lg, -1, keepdim=True)).exp()
+        return list(zip(top_i.tolist(), probs.tolist()))
+
+    @staticmethod
+    def _has_tops(st: DraftSeq, r: SpecRequest) -> bool:
+        K = len(r.tokens)
+        return K > 0 and len(st.tops) >= K and st.drafted[:K] == r.tokens
+
+    @staticmethod
+    def _first_needed(r: SpecRequest, ranked: bool, from_tops: bool) -> int:
+        """The first k whose distribution speculate needs from the glue: ranked rows need every k
+        (only k = K when the tops of x_1..x_K are kept), the others the first k with F_k > 0."""
+        K = len(r.tokens)
+        if ranked:
+            return K if from_tops else 0
+        return min((k for k in range(K + 1) if k < len(r.fanout) and r.fanout[k] > 0), default=K)
+
+    def _glue(self, st: DraftSeq, r: SpecRequest, first_needed: int) -> tuple[list[int], int, int]:
         """What speculate feeds for one sequence: (tokens, how many of them are committed, index of
         the distribution after x_0 = the last committed token; after x_k it is that index + k).
 
-        Distributions are needed only from the first k with F_k > 0. After drafting x_1..x_K here
+        Distributions are needed only from k = first_needed on. After drafting x_1..x_K here
         (propose, or a hit), x_1..x_{K-1} are still cached: feeding x_k..x_K from that k on costs
-        one row instead of K + 1 when only F_K > 0, as on a cache hit at a high acceptance rate.
+        one row instead of K + 1 when only k = K is needed, as on a cache hit at a high acceptance rate.
         """
-        K = len(r.tokens)
-        j = min((k for k in range(K + 1) if k < len(r.fanout) and r.fanout[k] > 0), default=K) - 1
+        j = first_needed - 1
         if j >= 0 and not st.todo and st.spec_fed[:j] == r.tokens[:j]:  # x_1..x_j still cached
             self.runner.truncate(st.slot, st.base + j)  # keep x_1..x_j, re-feed from x_{j+1}
             st.spec_fed = []
@@ -358,6 +430,9 @@ class DraftWorker(ModelWorker):
         misses: list[tuple[int, int]] = []
         for seq_id, k, emitted, k_next in outcomes:
             st = self.dseqs[seq_id]
+            if st.confidence:
+                self.acceptance.observe(st.confidence, k)
+            st.drafted, st.tops, st.confidence = [], [], []
             start = st.region_start
             if start < 0:  # no speculation was prepared (first round, or after a plain SD round)
                 self.commit(seq_id, emitted)
@@ -374,6 +449,8 @@ class DraftWorker(ModelWorker):
                 st.spec_fed = entry.tokens[: len(entry.path) - k - 1]
                 st.todo = []
                 y = entry.tokens[:k_next]
+                if entry.tops:
+                    st.drafted, st.tops = list(y), entry.tops[:k_next]
                 q = entry.q[:k_next] if entry.q is not None and k_next else None
                 kind = "none" if st.spec.greedy else "dist"
                 res.append(Resolution(seq_id, True, Draft(seq_id=seq_id, tokens=y, q_kind=kind), q))

@@ -430,10 +430,16 @@ class SSDMode(DraftBackedMode):
             self.tuner.observe_round_times(requests[0].k_next, sum(requests[0].fanout), t_verify, info["seconds"],
                                            t_wait)
         hits = 0
-        for s, d, src, o, r, (_, _, _, k_next) in zip(seqs, drafts, sources, outcomes, resolutions, resolve_in):
-            fanout = self.fanout_used[s.seq_id]
-            f_k = fanout[o.num_accepted] if o.num_accepted < len(fanout) else 0
-            self.planner.observe_hit(f_k, r.hit)
+        ranked = {sid: f for sid, f in info.get("fanout") or []}  # rows that ranked candidates: counts per k
+        for s, d, src, o, r, req, (_, _, _, k_next) in zip(seqs, drafts, sources, outcomes, resolutions, requests,
+                                                          resolve_in):
+            if s.seq_id in ranked:  # the quotas' power law does not describe ranked candidates
+                self.fanout_used[s.seq_id] = ranked[s.seq_id]
+                if self.tuner is not None and self.tuner.ranked is not None:
+                    self.tuner.ranked.observe(sum(req.fanout), r.hit)
+            else:
+                fanout = self.fanout_used[s.seq_id]
+                self.planner.observe_hit(fanout[o.num_accepted] if o.num_accepted < len(fanout) else 0, r.hit)
             kind = "primary" if src == "primary" else "fast" if d.q_kind == "point" else "neural"
             self.cost.observe_hit(kind, o.num_accepted == len(d.tokens), r.hit)
             (self.stats.hits_per_k if r.hit else self.stats.misses_per_k)[o.num_accepted] += 1

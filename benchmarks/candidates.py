@@ -1,0 +1,160 @@
+"""Hit rates of SSD's candidate selections, replayed on real outputs: quotas (F_k per k from the geometric
+fan-out) against ranking (the B likeliest outcomes, workers/ranking.py), for draft lengths K and budgets B.
+
+    python benchmarks/candidates.py --from results/bench_w4a8_s21_half_a.json --quantization w4a8 \\
+        --draft-vocab 32768 --out results/candidates.json
+
+Takes the AR outputs (greedy, so every lossless mode emits them) of a `bench.py` run and replays greedy SD
+rounds with the real draft: x_1..x_K are the draft's greedy tokens, k the accepted length and t* the target's
+next token. The draft's distributions after each accepted prefix come from one forward over the whole
+output; after a rejected token the draft continues on its own tokens, as in a live round. Each selection
+then prepares its candidates from those distributions exactly as DraftWorker.speculate does, and a round
+hits when (k, t*) is among them. The acceptance estimates both selections learn online (the quotas' a, the
+ranking's g) start from the engine's priors for every prompt set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench import as_fed, prompt_sets  # noqa: E402
+
+from ssd.fanout import FanoutPlanner  # noqa: E402
+from ssd.workers.draft_worker import DraftWorker  # noqa: E402
+from ssd.workers.ranking import AcceptanceByConfidence, Top, confidences, ranked_outcomes  # noqa: E402
+
+
+class Replay:
+    """One prompt + output in the draft's cache: the draft's greedy tokens and distributions along it."""
+
+    def __init__(self, w: DraftWorker, prompt: list[int], out: list[int]) -> None:
+        self.w, self.out, self.n_prompt = w, out, len(prompt)
+        self.slot = w.runner.allocate()
+        logits = w.runner.forward([self.slot], [prompt + out], full_vocab=True)[0]  # [n, V]
+        self.tops = w._tops(logits[len(prompt) - 1: -1])  # tops[j]: after out[:j]
+        self.greedy = self._greedy(logits[len(prompt) - 1: -1])  # the restricted draft's token after out[:j]
+        self.cached = len(out)
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        keep = getattr(self.w.model.lm_head, "keep", None)
+        if keep is None:
+            return logits.argmax(-1).tolist()
+        return keep[logits.index_select(-1, keep).argmax(-1)].tolist()
+
+    def round(self, p: int, K: int) -> tuple[list[int], list[Top], int]:
+        """The greedy round from output position p: (x_1..x_K, tops of q_0..q_K, k accepted); fewer tops
+        where the output ends first."""
+        n = len(self.out)
+        x: list[int] = []
+        while len(x) < K and p + len(x) < n and self.greedy[p + len(x)] == self.out[p + len(x)]:
+            x.append(self.greedy[p + len(x)])
+        k = len(x)
+        tops = self.tops[p: p + k + 1]  # q_0..q_k: after the accepted prefix, the true one
+        if k < K and p + k < n:  # x_{k+1} is rejected: the draft drafts on from its own token
+            x.append(self.greedy[p + k])
+            self._cache_upto(p + k)
+            while True:
+                logits = self.w.runner.forward([self.slot], [[x[-1]]], full_vocab=True)[0]  # [1, V]
+                tops.extend(self.w._tops(logits))
+                if len(x) == K:
+                    break
+                x.extend(self._greedy(logits))
+            self.w.runner.truncate(self.slot, self.n_prompt + p + k)  # drop the draft's own tokens again
+        return x, tops, k
+
+    def _cache_upto(self, j: int) -> None:
+        """The cache holds prompt + out[:j] (re-feeds what a previous round's own tokens replaced)."""
+        if self.cached < j:
+            self.w.runner.forward([self.slot], [self.out[self.cached: j]], last_only=True)
+            self.cached = j
+        elif self.cached > j:
+            self.w.runner.truncate(self.slot, self.n_prompt + j)
+            self.cached = j
+
+    def close(self) -> None:
+        self.w.runner.free(self.slot)
+
+
+def quota_candidates(x: list[int], tops: list[Top], fanout: list[int]) -> set[tuple[int, int]]:
+    """DraftWorker.speculate's quota rule: the top F_k tokens of q_k, without x_{k+1}."""
+    cands = set()
+    for k, (ids, _) in enumerate(tops):
+        f = fanout[k] if k < len(fanout) else 0
+        ids = [t for t in ids if k >= len(x) or t != x[k]]
+        cands.update((k, t) for t in ids[:f])
+    return cands
+
+
+def replay_set(w: DraftWorker, pairs: list[tuple[list[int], list[int]]], K: int, budgets: list[int]) -> dict:
+    hits = {b: {"quota": 0, "ranked": 0} for b in budgets}
+    rounds = 0
+    planners = {b: FanoutPlanner(K=K, B=b) for b in budgets}
+    accept = {b: AcceptanceByConfidence() for b in budgets}
+    for seq_id, (prompt, out) in enumerate(pairs):
+        rp = Replay(w, prompt, out)
+        p = 0
+        while p < len(out):
+            x, tops, k = rp.round(p, K)
+            if p + k >= len(out):
+                break
+            t_star = out[p + k]
+            rounds += 1
+            for b in budgets:
+                if len(tops) == K + 1:
+                    fo = planners[b].plan(seq_id, "primary")
+                    hit = (k, t_star) in quota_candidates(x, tops, fo)
+                    planners[b].observe_hit(fo[k], hit)
+                    hits[b]["quota"] += hit
+                    hits[b]["ranked"] += (k, t_star) in ranked_outcomes(x, tops, b, accept[b].rate)
+                    accept[b].observe(confidences(x, tops), k)
+                planners[b].observe_round(seq_id, "primary", len(x), k)
+            p += k + 1
+        rp.close()
+    return {"rounds": rounds, **{str(b): {m: round(h / max(rounds, 1), 3) for m, h in hits[b].items()}
+                                 for b in budgets}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--from", dest="source", required=True, help="a bench.py JSON with an AR run (its outputs)")
+    ap.add_argument("--draft", default="qwen-coder-0.5b")
+    ap.add_argument("--quantization", default="w4a8")
+    ap.add_argument("--draft-vocab", type=int, default=32768)
+    ap.add_argument("--k", default="2,3,4")
+    ap.add_argument("--budgets", default="1,2,3,4,6,8")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="results/candidates.json")
+    args = ap.parse_args(argv)
+    src = json.loads(Path(args.source).read_text())
+    ar = next(r for r in src["runs"] if r["mode"] == "ar" and r["batch"] == 1 and r["temperature"] == 0)
+    w = DraftWorker(args.draft, dtype="bfloat16", max_slots=1, max_len=4096, num_threads=args.threads,
+                    quantization=args.quantization, draft_vocab=args.draft_vocab or None)
+    texts = prompt_sets(argparse.Namespace(**src["args"]))
+    ks, budgets = [int(v) for v in args.k.split(",")], [int(v) for v in args.budgets.split(",")]
+    results: dict = {"args": vars(args), "sets": {}}
+    print("| set | K | rounds | " + " | ".join(f"B={b} quota / ranked" for b in budgets) + " |")
+    print("|---|---|---|" + "---|" * len(budgets))
+    for name, prompts in texts.items():
+        outs = ar["prompts"][name]["token_ids"]
+        pairs = [(w.tokenizer.encode(t), o) for t, o in zip(as_fed(w.tokenizer, name, prompts), outs, strict=True)]
+        results["sets"][name] = {}
+        for K in ks:
+            r = replay_set(w, pairs, K, budgets)
+            results["sets"][name][str(K)] = r
+            cells = " | ".join(f"{r[str(b)]['quota']:.2f} / **{r[str(b)]['ranked']:.2f}**" for b in budgets)
+            print(f"| {name} | {K} | {r['rounds']} | {cells} |", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
