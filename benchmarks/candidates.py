@@ -32,51 +32,62 @@ from ssd.workers.ranking import AcceptanceByConfidence, Top, confidences, ranked
 
 
 class Replay:
-    """One prompt + output in the draft's cache: the draft's greedy tokens and distributions along it."""
+    """One prompt + output in the draft's cache: the draft's greedy tokens and distributions along it.
 
-    def __init__(self, w: DraftWorker, prompt: list[int], out: list[int]) -> None:
-        self.w, self.out, self.n_prompt = w, out, len(prompt)
+    A restricted draft (draft_vocab) proposes from its kept ids plus the sequence's context, the prompt and
+    the tokens emitted before the round (draft_vocab_context), as DraftWorker does."""
+
+    def __init__(self, w: DraftWorker, prompt: list[int], out: list[int], context: bool = True) -> None:
+        self.w, self.prompt, self.out, self.context = w, prompt, out, context
         self.slot = w.runner.allocate()
         logits = w.runner.forward([self.slot], [prompt + out], full_vocab=True)[0]  # [n, V]
-        self.tops = w._tops(logits[len(prompt) - 1: -1])  # tops[j]: after out[:j]
-        self.greedy = self._greedy(logits[len(prompt) - 1: -1])  # the restricted draft's token after out[:j]
-        self.cached = len(out)
+        self.logits = logits[len(prompt) - 1: -1]  # [len(out), V]: after prompt + out[:j]
+        self.keep = getattr(w.model.lm_head, "keep", None)
+        self.cached = len(out)  # true output tokens in the cache
 
-    def _greedy(self, logits: torch.Tensor) -> list[int]:
-        keep = getattr(self.w.model.lm_head, "keep", None)
-        if keep is None:
-            return logits.argmax(-1).tolist()
-        return keep[logits.index_select(-1, keep).argmax(-1)].tolist()
+    def columns(self, p: int) -> torch.Tensor | None:
+        """The ids the draft may propose in the round at output position p (None: all)."""
+        if self.keep is None:
+            return None
+        kept = set(self.keep.tolist())
+        extra = sorted({t for t in self.prompt + self.out[:p] if t not in kept}) if self.context else []
+        return torch.cat([self.keep, torch.tensor(extra, dtype=torch.long)])
 
-    def round(self, p: int, K: int) -> tuple[list[int], list[Top], int]:
-        """The greedy round from output position p: (x_1..x_K, tops of q_0..q_K, k accepted); fewer tops
-        where the output ends first."""
-        n = len(self.out)
+    def round(self, p: int, K: int) -> tuple[list[int], list[Top], list[Top], int]:
+        """The greedy round from output position p: (x_1..x_K, whole-vocabulary tops of q_0..q_K, the
+        drafting layer's tops of q_0..q_{K-1}, k accepted); fewer tops where the output ends first."""
+        n, cols = len(self.out), self.columns(p)
+
+        def greedy(row: torch.Tensor) -> int:
+            return int(row.argmax()) if cols is None else int(cols[row.index_select(-1, cols).argmax()])
+
+        rows: list[torch.Tensor] = []  # q_0, q_1, ...: logits after each prefix of the round
         x: list[int] = []
-        while len(x) < K and p + len(x) < n and self.greedy[p + len(x)] == self.out[p + len(x)]:
-            x.append(self.greedy[p + len(x)])
-        k = len(x)
-        tops = self.tops[p: p + k + 1]  # q_0..q_k: after the accepted prefix, the true one
-        if k < K and p + k < n:  # x_{k+1} is rejected: the draft drafts on from its own token
-            x.append(self.greedy[p + k])
+        while len(x) < K and p + len(x) < n:
+            rows.append(self.logits[p + len(x)])
+            x.append(greedy(rows[-1]))
+            if x[-1] != self.out[p + len(x) - 1]:
+                break
+        k = next((i for i, t in enumerate(x) if t != self.out[p + i]), len(x))
+        if k == len(x) and p + k < n:  # all accepted: q_K on the true prefix
+            rows.append(self.logits[p + k])
+        elif k < len(x):  # x_{k+1} is rejected: the draft drafts on from its own token
             self._cache_upto(p + k)
             while True:
-                logits = self.w.runner.forward([self.slot], [[x[-1]]], full_vocab=True)[0]  # [1, V]
-                tops.extend(self.w._tops(logits))
+                rows.append(self.w.runner.forward([self.slot], [[x[-1]]], full_vocab=True)[0, 0])
                 if len(x) == K:
                     break
-                x.extend(self._greedy(logits))
-            self.w.runner.truncate(self.slot, self.n_prompt + p + k)  # drop the draft's own tokens again
-        return x, tops, k
+                x.append(greedy(rows[-1]))
+            self.w.runner.truncate(self.slot, len(self.prompt) + p + k)  # the draft's own tokens out again
+        stacked = torch.stack(rows)  # [<= K + 1, V]
+        return x, self.w._tops(stacked), self.w._tops(stacked[:K], cols), k
 
     def _cache_upto(self, j: int) -> None:
-        """The cache holds prompt + out[:j] (re-feeds what a previous round's own tokens replaced)."""
+        """The cache holds prompt + out[:j] (re-feeds true tokens a previous round's own tokens replaced)."""
         if self.cached < j:
             self.w.runner.forward([self.slot], [self.out[self.cached: j]], last_only=True)
-            self.cached = j
-        elif self.cached > j:
-            self.w.runner.truncate(self.slot, self.n_prompt + j)
-            self.cached = j
+        self.w.runner.truncate(self.slot, len(self.prompt) + j)
+        self.cached = j
 
     def close(self) -> None:
         self.w.runner.free(self.slot)
@@ -92,33 +103,38 @@ def quota_candidates(x: list[int], tops: list[Top], fanout: list[int]) -> set[tu
     return cands
 
 
-def replay_set(w: DraftWorker, pairs: list[tuple[list[int], list[int]]], K: int, budgets: list[int]) -> dict:
+def replay_set(w: DraftWorker, pairs: list[tuple[list[int], list[int]]], K: int, budgets: list[int],
+               context: bool = True) -> dict:
     hits = {b: {"quota": 0, "ranked": 0} for b in budgets}
-    rounds = 0
+    rounds = emitted = 0
     planners = {b: FanoutPlanner(K=K, B=b) for b in budgets}
     accept = {b: AcceptanceByConfidence() for b in budgets}
     for seq_id, (prompt, out) in enumerate(pairs):
-        rp = Replay(w, prompt, out)
+        rp = Replay(w, prompt, out, context)
         p = 0
         while p < len(out):
-            x, tops, k = rp.round(p, K)
+            x, tops, drafting, k = rp.round(p, K)
             if p + k >= len(out):
                 break
             t_star = out[p + k]
             rounds += 1
+            # as DraftWorker.speculate: quotas from the glue's whole-vocabulary rows; ranking from the
+            # distributions x_1..x_K were drafted from, and the glue's row for k = K
+            ranked_tops = drafting[:K] + tops[K:]
             for b in budgets:
                 if len(tops) == K + 1:
                     fo = planners[b].plan(seq_id, "primary")
                     hit = (k, t_star) in quota_candidates(x, tops, fo)
                     planners[b].observe_hit(fo[k], hit)
                     hits[b]["quota"] += hit
-                    hits[b]["ranked"] += (k, t_star) in ranked_outcomes(x, tops, b, accept[b].rate)
-                    accept[b].observe(confidences(x, tops), k)
+                    hits[b]["ranked"] += (k, t_star) in ranked_outcomes(x, ranked_tops, b, accept[b].rate)
+                    accept[b].observe(confidences(x, ranked_tops), k)
                 planners[b].observe_round(seq_id, "primary", len(x), k)
+            emitted += k + 1
             p += k + 1
         rp.close()
-    return {"rounds": rounds, **{str(b): {m: round(h / max(rounds, 1), 3) for m, h in hits[b].items()}
-                                 for b in budgets}}
+    rates = {str(b): {m: round(h / max(rounds, 1), 3) for m, h in hits[b].items()} for b in budgets}
+    return {"rounds": rounds, "tau": round(emitted / max(rounds, 1), 3), **rates}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", default="2,3,4")
     ap.add_argument("--budgets", default="1,2,3,4,6,8")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-context", action="store_true",
+                    help="the restricted draft proposes its kept ids only (draft_vocab_context=False)")
     ap.add_argument("--out", default="results/candidates.json")
     args = ap.parse_args(argv)
     src = json.loads(Path(args.source).read_text())
@@ -139,17 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompt_sets(argparse.Namespace(**src["args"]))
     ks, budgets = [int(v) for v in args.k.split(",")], [int(v) for v in args.budgets.split(",")]
     results: dict = {"args": vars(args), "sets": {}}
-    print("| set | K | rounds | " + " | ".join(f"B={b} quota / ranked" for b in budgets) + " |")
-    print("|---|---|---|" + "---|" * len(budgets))
+    print("| set | K | rounds | tau | " + " | ".join(f"B={b} quota / ranked" for b in budgets) + " |")
+    print("|---|---|---|---|" + "---|" * len(budgets))
     for name, prompts in texts.items():
         outs = ar["prompts"][name]["token_ids"]
         pairs = [(w.tokenizer.encode(t), o) for t, o in zip(as_fed(w.tokenizer, name, prompts), outs, strict=True)]
         results["sets"][name] = {}
         for K in ks:
-            r = replay_set(w, pairs, K, budgets)
+            r = replay_set(w, pairs, K, budgets, context=not args.no_context)
             results["sets"][name][str(K)] = r
             cells = " | ".join(f"{r[str(b)]['quota']:.2f} / **{r[str(b)]['ranked']:.2f}**" for b in budgets)
-            print(f"| {name} | {K} | {r['rounds']} | {cells} |", flush=True)
+            print(f"| {name} | {K} | {r['rounds']} | {r['tau']} | {cells} |", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

@@ -32,13 +32,17 @@ from ssd import LLM, SamplingParams  # noqa: E402
 
 
 def variant(label: str) -> tuple[str, dict]:
-    """'ssd+candidates=quota+fanout=4' -> ('ssd', {'candidates': 'quota', 'fanout': 4})."""
+    """'ssd+candidates=quota+fanout=4+use_ray=false' -> ('ssd', {'candidates': 'quota', 'fanout': 4,
+    'use_ray': False})."""
     mode, *settings = label.split("+")
     kw: dict = {}
     for item in settings:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"mode setting {item!r} in {label!r} is not key=value")
+        if value.lower() in ("true", "false"):
+            kw[key] = value.lower() == "true"
+            continue
         for cast in (int, float):
             try:
                 kw[key] = cast(value)

@@ -28,6 +28,9 @@ class Config:
     # Restrict the draft's output layer to the first `draft_vocab` token ids (+ end-of-sequence): a cheaper
     # draft step, still lossless (verification uses the restricted q); None = the whole vocabulary.
     draft_vocab: int | None = None
+    # With draft_vocab: each sequence's draft may also propose the tokens of its own prompt and output (on
+    # HumanEval nearly all the target's tokens outside the first 32768 ids: identifiers, code fences).
+    draft_vocab_context: bool = True
     linear_kernel: str = "auto"  # unquantised CPU linears: "dense" (C kernel, batch invariant), "torch", "auto"
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode, verification and tree steps
     k: int | None = None  # draft length; None = chosen from measured latencies

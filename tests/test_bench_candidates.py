@@ -30,12 +30,13 @@ def test_rounds_match_a_live_draft(models):
     out = own_greedy(draft, PROMPT, 12)
     w = DraftWorker(draft, dtype="float32", max_slots=2, max_len=256)
     rp = Replay(w, PROMPT, out)
-    x, tops, k = rp.round(0, 4)  # the draft's own output: everything accepted
-    assert (x, k, len(tops)) == (out[:4], 4, 5)
+    x, tops, drafting, k = rp.round(0, 4)  # the draft's own output: everything accepted
+    assert (x, k, len(tops), len(drafting)) == (out[:4], 4, 5, 4)
+    assert drafting == tops[:4]  # an unrestricted draft drafts from the whole vocabulary
     bad = list(out)
     bad[6] = (out[6] + 1) % 40  # the "target" disagrees at position 6
     rp2 = Replay(w, PROMPT, bad)
-    x, tops, k = rp2.round(4, 4)
+    x, tops, _, k = rp2.round(4, 4)
     assert k == 2 and x[:3] == out[4:7]
     # after the rejected x_3 the draft continued on its own tokens, as a live draft would
     assert x == own_greedy(draft, PROMPT + bad[:4], 4) and len(tops) == 5
@@ -52,3 +53,19 @@ def test_replay_of_the_drafts_own_output_hits_with_either_selection(models):
     assert r["rounds"] >= 4
     assert r["4"]["quota"] == 1.0  # F_K > 0 at B = 4: the bonus is the draft's top token
     assert 0.0 <= r["1"]["ranked"] <= 1.0 and r["4"]["ranked"] > 0.0
+
+
+def test_a_restricted_replay_drafts_from_kept_ids_and_context(models):
+    """draft_vocab: the replayed draft proposes kept ids and the prompt's (or emitted) ids, as DraftWorker."""
+    draft = models[1]
+    prompt = [3, 30, 4, 33, 5]
+    out = own_greedy(draft, prompt, 10)
+    w = DraftWorker(draft, dtype="float32", max_slots=2, max_len=256, draft_vocab=20)
+    for context in (True, False):
+        rp = Replay(w, prompt, out, context)
+        cols = set(rp.columns(2).tolist())
+        assert cols == set(range(20)) | ({30, 33} | {t for t in out[:2] if t >= 20} if context else set())
+        x, tops, drafting, k = rp.round(0, 3)
+        assert all(t in set(rp.columns(0).tolist()) for ids, _ in drafting for t in ids)
+        assert all(t in set(rp.columns(0).tolist()) for t in x)
+        rp.close()

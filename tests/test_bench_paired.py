@@ -28,3 +28,13 @@ def test_summary_pairs_each_prompt_with_the_base():
     assert s["auto"]["vs_base_geomean"] == pytest.approx(1.0)
     assert s["auto"]["vs_base_total"] == pytest.approx((200 / 4.0) / (200 / 5.0), abs=1e-3)
     assert s["auto"]["decode_tokens_per_s"] == 50.0
+
+
+def test_mode_variants_parse_their_settings():
+    from paired import variant
+
+    assert variant("sd") == ("sd", {})
+    assert variant("ssd+candidates=quota+fanout=4+draft_vocab_context=false+saguaro_c=0.5") == (
+        "ssd", {"candidates": "quota", "fanout": 4, "draft_vocab_context": False, "saguaro_c": 0.5})
+    with pytest.raises(ValueError, match="key=value"):
+        variant("ssd+quota")

@@ -117,23 +117,41 @@ def _speculate_once(worker, prompt, budget, K=3):
     return x, info, sorted(worker.cache.keys(0)), fed
 
 
+def _glue_logits(draft, x, **kw):
+    """q_0..q_K on the whole vocabulary: [x_0 = 5, x_1..x_K] fed after the prompt's first four tokens."""
+    ref = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128, **kw)
+    ref.add(0, [3, 1, 4, 1, 5], SamplingSpec(temperature=0))
+    assert ref.propose([(0, len(x))])[0][0].tokens == x
+    slot = ref.dseqs[0].slot
+    ref.runner.truncate(slot, 4)
+    return ref.runner.forward([slot], [[5, *x]], full_vocab=True)[0]  # [K + 1, V]
+
+
 def test_ranked_worker_fills_the_cache_with_the_likeliest_outcomes(models):
-    """A ranked worker with a restricted output layer scores every k on the whole vocabulary (K + 1 glue
-    rows) and caches exactly ranked_outcomes of those distributions; a quota worker caches F_k per k."""
+    """A ranked worker ranks k < K from the distributions it drafted x_1..x_K from (here a restricted layer's)
+    and k = K from one whole-vocabulary glue row, and caches exactly ranked_outcomes of them; without kept
+    tops it scores every k on the whole vocabulary (K + 1 glue rows); a quota worker caches F_k per k."""
     draft = models[1]
     K, budget = 3, 5
     w = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128, ranked=True, draft_vocab=24)
-    x, info, keys, fed = _speculate_once(w, [3, 1, 4, 1, 5], budget, K)
-    assert fed[0] == K + 1
-    ref = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128, draft_vocab=24)
-    ref.add(0, [3, 1, 4, 1, 5], SamplingSpec(temperature=0))
-    assert ref.propose([(0, K)])[0][0].tokens == x
-    slot = ref.dseqs[0].slot
-    ref.runner.truncate(slot, 4)
-    logits = ref.runner.forward([slot], [[5, *x]], full_vocab=True)[0]  # [K + 1, V]: q_0..q_K
-    want = ranked_outcomes(x, w._tops(logits), budget, w.acceptance.rate)
+    w.add(0, [3, 1, 4, 1, 5], SamplingSpec(temperature=0))
+    x = w.propose([(0, K)])[0][0].tokens
+    kept = list(w.dseqs[0].tops)
+    assert len(kept) == K and all(t < 24 or t in (3, 1, 4, 5) for ids, _ in kept for t in ids)
+    w.remove(0)
+    x2, info, keys, fed = _speculate_once(w, [3, 1, 4, 1, 5], budget, K)
+    assert x2 == x and fed[0] == 1
+    logits = _glue_logits(draft, x, draft_vocab=24)
+    want = ranked_outcomes(x, kept + w._tops(logits[K:]), budget, w.acceptance.rate)
     assert keys == sorted(want) and len(want) == budget
     assert info["fanout"] == [[0, [sum(k == j for k, _ in want) for j in range(K + 1)]]]
+
+    full = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128, ranked=True, draft_vocab=24)
+    full._has_tops = lambda st, r: False
+    _, _, fkeys, ffed = _speculate_once(full, [3, 1, 4, 1, 5], budget, K)
+    assert ffed[0] == K + 1
+    assert fkeys == sorted(ranked_outcomes(x, full._tops(logits), budget, full.acceptance.rate))
+
     quota = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128, draft_vocab=24)
     _, qinfo, qkeys, qfed = _speculate_once(quota, [3, 1, 4, 1, 5], budget, K)
     assert qinfo["fanout"] == [] and {k for k, _ in qkeys} == {K} and qfed[0] == 1

@@ -64,6 +64,30 @@ def test_draft_restricted_to_half_the_vocabulary_is_exact(target):
     assert 0.2 < st["acceptance_rate"] < 0.95
 
 
+def test_restricted_draft_with_its_context_is_exact(target, monkeypatch):
+    """Restricted to ids 0..7, the draft also proposes the ids of its prompt (9 and 12 here) and outputs
+    (draft_vocab_context): q is still the distribution it sampled from, so the output stays the target's."""
+    from ssd.workers.draft_worker import DraftWorker
+
+    proposed: list[int] = []
+    propose = DraftWorker._propose
+
+    def spy(self, requests, fanout):
+        drafts, qs = propose(self, requests, fanout)
+        proposed.extend(t for d in drafts for t in d.tokens)
+        return drafts, qs
+
+    monkeypatch.setattr(DraftWorker, "_propose", spy)
+    prompt = [1, 9, 2, 12, 1, 9, 2]
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuation_probs(target, prompt, 2, params)
+    with LLM(target=target, draft=target, mode="sd", k=3, draft_vocab=8, dtype="float32", max_batch=64,
+             max_len=64, use_ray=False) as llm:
+        samples = sample_continuations(llm, prompt, 2, params, N_SAMPLES, 23)
+    assert chi_square_pvalue(samples, exact) > 1e-3
+    assert sum(t in (9, 12) for t in proposed) > 50  # the context was drafted
+
+
 def wrong_verify_greedy_match(draft_tokens, num_draft, p_target, q_draft, u_accept, u_sample):
     """NOT lossless: accept a draft token iff it is the target's argmax; sample the correction from p."""
     B, K1, _ = p_target.shape

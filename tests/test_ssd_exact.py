@@ -45,6 +45,10 @@ CASES = {
     "restricted_draft_vocab": (
         dict(k=2, backup="neural", saguaro_c=0.5, draft_vocab=8), SamplingParams(temperature=1.0)
     ),
+    # the draft restricted to ids 0..7 but proposing the prompt's 9 and 12 too (draft_vocab_context)
+    "restricted_draft_vocab_context": (
+        dict(k=2, backup="neural", draft_vocab=8, prompt=[1, 9, 2, 12, 1, 9, 2]), SamplingParams(temperature=1.0)
+    ),
 }
 
 

@@ -103,3 +103,61 @@ def test_outcomes_outside_the_draft_vocab_are_still_predicted(models, monkeypatc
         assert misses == 0 and short >= 5, st
     else:
         assert misses >= 5, st
+
+
+@pytest.mark.parametrize("name", list(_heads()))
+def test_row_extras_give_each_row_its_own_context(name):
+    """set_row_extras: row b also produces its own extra ids, with the full layer's logits there, and
+    stays -inf at the other rows' extras; 3-d inputs broadcast over positions; clearing restores."""
+    head = _heads()[name]
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(2))  # [B, n, D]
+    restricted = SubsetHead(head_rows(head, KEEP), KEEP, 48, head)
+    plain = restricted(x)
+    full = head(x)
+    restricted.set_row_extras([[30, 2, 44], [31]])  # 2 is kept already: ignored
+    got = restricted(x)
+    close = torch.equal if name != "nn.Linear" else (lambda a, b: torch.allclose(a, b, atol=1e-6))
+    assert close(got[0, :, [30, 44]], full[0, :, [30, 44]]) and close(got[1, :, 31], full[1, :, 31])
+    assert torch.isneginf(got[0, :, 31]).all() and torch.isneginf(got[1, :, [30, 44]]).all()
+    others = torch.ones(48, dtype=torch.bool)
+    others[[30, 31, 44]] = False
+    assert torch.equal(got[:, :, others], plain[:, :, others])
+    restricted.set_row_extras(None)
+    assert torch.equal(restricted(x), plain)
+    with pytest.raises(ValueError, match="extra token ids"):
+        restricted.set_row_extras([[48]])
+    restricted.set_row_extras([[30]])
+    with pytest.raises(ValueError, match="extras for 1 rows"):
+        restricted(x)
+
+
+@pytest.mark.parametrize("context", [True, False])
+def test_a_restricted_draft_proposes_its_own_context(models, context):
+    """draft == target, restricted to ids < 20: with its context it also proposes the ids >= 20 of its
+    prompt and outputs, and its greedy tokens are the whole layer's argmax over kept ids + context."""
+    from ssd.workers.draft_worker import DraftWorker
+    from ssd.workers.messages import SamplingSpec
+
+    target = models[0]
+    prompt = [25, 3, 33, 7, 25, 3]  # ids above the kept 20 in the prompt
+    w = DraftWorker(target, dtype="float32", max_slots=1, max_len=128, draft_vocab=20, context_vocab=context)
+    ref = DraftWorker(target, dtype="float32", max_slots=1, max_len=128)
+    w.add(0, prompt, SamplingSpec(temperature=0))
+    ref.add(0, prompt, SamplingSpec(temperature=0))
+    allowed = torch.zeros(40, dtype=torch.bool)
+    allowed[:20] = True
+    if context:
+        allowed[[25, 33]] = True
+    assert w.dseqs[0].context == ({25, 33} if context else set())
+    for _ in range(6):
+        x = w.propose([(0, 1)])[0][0].tokens[0]
+        slot = ref.dseqs[0].slot
+        logits = ref.runner.forward([slot], [ref._sync(ref.dseqs[0])], last_only=True)[0]  # [V]
+        ref.dseqs[0].base = ref.runner.kv.lengths[slot]
+        assert x == int(torch.where(allowed, logits, torch.tensor(float("-inf"))).argmax())
+        nxt = int(logits.argmax())  # commit the target's token (AR), which may widen the context
+        w.commit(0, [nxt])
+        ref.commit(0, [nxt])
+        if context and nxt >= 20:
+            allowed[nxt] = True
+    assert w.dseqs[0].context == ({int(t) for t in torch.nonzero(allowed[20:]).flatten() + 20} if context else set())

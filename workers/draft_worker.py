@@ -21,7 +21,7 @@ from ssd.kernels.sampling import filter_logits, saguaro_probs, sample_from_probs
 from ssd.workers.base import ModelWorker
 from ssd.workers.messages import Draft, SamplingSpec
 from ssd.workers.models.decoder import DecoderModel
-from ssd.workers.models.vocab_subset import draft_vocab_ids, restrict_head
+from ssd.workers.models.vocab_subset import SubsetHead, draft_vocab_ids, restrict_head
 from ssd.workers.ranking import RANK_TOP, AcceptanceByConfidence, Top, confidences, ranked_outcomes
 from ssd.workers.seq_state import make_generator
 
@@ -47,6 +47,7 @@ class DraftSeq:
     drafted: list[int] = field(default_factory=list)
     tops: list[Top] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
+    context: set[int] = field(default_factory=set)  # prompt and committed tokens (a restricted draft adds them)
 
 
 @dataclass
@@ -73,7 +74,8 @@ class DraftWorker(ModelWorker):
     salt = 2
 
     def __init__(
-        self, *args, saguaro_c: float = 1.0, draft_vocab: int | None = None, ranked: bool = False, **kwargs
+        self, *args, saguaro_c: float = 1.0, draft_vocab: int | None = None, ranked: bool = False,
+        context_vocab: bool = True, **kwargs,
     ) -> None:
         self.draft_vocab = draft_vocab  # read by load_model, which the base class calls
         super().__init__(*args, **kwargs)
@@ -84,9 +86,12 @@ class DraftWorker(ModelWorker):
         # (workers/ranking.py) instead of F_k per accepted length k
         self.ranked = ranked
         self.acceptance = AcceptanceByConfidence()
-        # A restricted output layer's distributions miss the target tokens outside its ids, which end a
-        # quarter of HumanEval rounds: ranking then takes every k from the glue's whole-vocabulary rows.
-        self._keep_tops = ranked and not hasattr(getattr(self.model, "lm_head", None), "full")
+        # context_vocab: a restricted output layer also produces each sequence's own prompt and output
+        # tokens (SubsetHead.set_row_extras), except under CUDA graphs, whose captured head is fixed.
+        head = getattr(self.model, "lm_head", None)
+        self._subset = head if isinstance(head, SubsetHead) else None
+        self._context = context_vocab and self._subset is not None and self.runner.graphs is None
+        self._cols: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last (context union, columns)
         self.last_propose_s = 0.0
         self.last_speculate_s = 0.0
 
@@ -114,6 +119,7 @@ class DraftWorker(ModelWorker):
             seq_id=seq_id, slot=slot, spec=spec, gen=make_generator(spec.seed, self.salt),
             last=prompt_ids[-1], base=len(prompt_ids) - 1, todo=[prompt_ids[-1]],
         )
+        self._see(self.dseqs[seq_id], prompt_ids)
 
     def remove(self, seq_id: int) -> None:
         st = self.dseqs.pop(seq_id, None)
@@ -133,6 +139,7 @@ class DraftWorker(ModelWorker):
         st = self.dseqs[seq_id]
         self._close_region(st)
         st.drafted, st.tops = [], []
+        self._see(st, tokens)
         st.todo.extend(tokens)
         st.last = tokens[-1]
         if feed_ahead:
@@ -141,6 +148,30 @@ class DraftWorker(ModelWorker):
                 self.runner.forward([st.slot], [todo[:-1]], last_only=True)
                 st.base += len(todo) - 1
             st.todo = todo[-1:]
+
+    def _see(self, st: DraftSeq, tokens: list[int]) -> None:
+        if self._context:
+            st.context.update(t for t in tokens if t not in self._subset._kept)
+
+    def _forward(self, states: list[DraftSeq], tokens: list[list[int]], **kw) -> torch.Tensor:
+        """runner.forward for these sequences' drafting rows; a restricted layer adds their context."""
+        if not self._context:
+            return self.runner.forward([st.slot for st in states], tokens, **kw)
+        self._subset.set_row_extras([sorted(st.context) for st in states])
+        try:
+            return self.runner.forward([st.slot for st in states], tokens, **kw)
+        finally:
+            self._subset.set_row_extras(None)
+
+    def _columns(self, states: list[DraftSeq]) -> torch.Tensor | None:
+        """The token ids drafting rows of these sequences can produce (None: all of them)."""
+        if self._subset is None:
+            return None
+        union = tuple(sorted(set().union(*(st.context for st in states)))) if self._context else ()
+        if self._cols is None or self._cols[0] != union:
+            extra = torch.tensor(union, dtype=torch.long, device=self._subset.keep.device)
+            self._cols = (union, torch.cat([self._subset.keep, extra]))
+        return self._cols[1]
 
     def _close_region(self, st: DraftSeq) -> None:
         """Drop an SSD tree region that no resolve() consumed (the policy switched modes)."""
@@ -226,7 +257,7 @@ class DraftWorker(ModelWorker):
         step = 0
         while active:
             blocks = [feeds[b] if step == 0 else [tokens[b][-1]] for b in active]
-            logits = self.runner.forward([states[b].slot for b in active], blocks, last_only=True)  # [B, V]
+            logits = self._forward([states[b] for b in active], blocks, last_only=True)  # [B, V]
             for b, blk in zip(active, blocks):
                 if step == 0:
                     states[b].base += len(blk)
@@ -234,8 +265,9 @@ class DraftWorker(ModelWorker):
                     states[b].spec_fed.append(blk[0])
             fo = None if fanout is None else [fanout[b][min(step, len(fanout[b]) - 1)] for b in active]
             new, probs = self._sample(logits, [states[b] for b in active], fo)
-            ranked = [row for row, b in enumerate(active) if self._keep_tops and states[b].spec.greedy]
-            for row, top in zip(ranked, self._tops(logits[ranked]) if ranked else []):
+            ranked = [row for row, b in enumerate(active) if self.ranked and states[b].spec.greedy]
+            cols = self._columns([states[active[row]] for row in ranked]) if ranked else None
+            for row, top in zip(ranked, self._tops(logits[ranked], cols) if ranked else []):
                 states[active[row]].tops.append(top)
             for row, b in enumerate(active):
                 tokens[b].append(new[row])
@@ -316,8 +348,7 @@ class DraftWorker(ModelWorker):
         paths = {b: [[*range(k), -1] for k, _ in branches[b]] for b in rows}  # -1: filled below
         ys: dict[int, list[list[int]]] = {b: [[] for _ in branches[b]] for b in rows}
         qs: dict[int, list[list[torch.Tensor]]] = {b: [[] for _ in branches[b]] for b in rows}
-        tops_y: dict[int, list[list[Top]]] = {b: [[] for _ in branches[b]] for b in rows
-                                              if ranked[b] and self._keep_tops}
+        tops_y: dict[int, list[list[Top]]] = {b: [[] for _ in branches[b]] for b in rows if ranked[b]}
         for step in range(max((requests[b].k_next for b in rows), default=0)):
             active = [b for b in rows if step < requests[b].k_next]
             toks, pars = [], []
@@ -328,7 +359,7 @@ class DraftWorker(ModelWorker):
                 else:
                     toks.append([y[-1] for y in ys[b]])
                     pars.append([p[-1] for p in paths[b]])
-            out = self.runner.forward([states[b].slot for b in active], toks, parents=pars)  # [B, n, V]
+            out = self._forward([states[b] for b in active], toks, parents=pars)  # [B, n, V]
             # One batched sampling call over every branch of every row.
             flat_logits, flat_states, flat_fo = [], [], []
             for row, b in enumerate(active):
@@ -349,7 +380,8 @@ class DraftWorker(ModelWorker):
             i = 0
             for b in active:
                 nb = len(branches[b])
-                for j, top in enumerate(self._tops(all_logits[i: i + nb]) if b in tops_y else []):
+                cols = self._columns([states[b]]) if b in tops_y else None
+                for j, top in enumerate(self._tops(all_logits[i: i + nb], cols) if b in tops_y else []):
                     tops_y[b][j].append(top)  # the next round's tops, should this branch be the outcome
                 for j in range(nb):
                     ys[b][j].append(new[i])
@@ -379,11 +411,16 @@ class DraftWorker(ModelWorker):
                 "fanout": fanout}
 
     @staticmethod
-    def _tops(logits: torch.Tensor) -> list[Top]:
-        """The RANK_TOP likeliest tokens of each row of logits [n, V] and their probabilities."""
+    def _tops(logits: torch.Tensor, cols: torch.Tensor | None = None) -> list[Top]:
+        """The RANK_TOP likeliest tokens of each row of logits [n, V] and their probabilities; `cols`: the
+        only ids the rows can hold (a restricted layer's: the rest is -inf, and skipping it is ~5x faster)."""
         lg = logits.float()
+        if cols is not None:
+            lg = lg.index_select(-1, cols)  # [n, len(cols)]
         top_l, top_i = lg.topk(min(RANK_TOP, lg.shape[-1]), -1)  # [n, RANK_TOP]
         probs = (top_l - torch.logsumexp(lg, -1, keepdim=True)).exp()
+        if cols is not None:
+            top_i = cols[top_i]
         return list(zip(top_i.tolist(), probs.tolist()))
 
     @staticmethod
@@ -430,6 +467,7 @@ class DraftWorker(ModelWorker):
         misses: list[tuple[int, int]] = []
         for seq_id, k, emitted, k_next in outcomes:
             st = self.dseqs[seq_id]
+            self._see(st, emitted)
             if st.confidence:
                 self.acceptance.observe(st.confidence, k)
             st.drafted, st.tops, st.confidence = [], [], []

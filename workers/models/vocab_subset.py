@@ -25,7 +25,13 @@ from ssd.workers.models.quant import Int8Linear
 
 class SubsetHead(nn.Module):
     """logits [..., V]: the kept rows' logits at their token ids, -inf everywhere else; `full(x)` gives
-    the whole layer's logits."""
+    the whole layer's logits.
+
+    `set_row_extras(extras)` lets input row b (x[b]) also produce the token ids extras[b] until cleared:
+    the draft passes each sequence's own prompt and output tokens outside the kept ids, which on HumanEval
+    are nearly all the target's tokens outside them (identifiers, code fences). Their rows come from the
+    full layer (the same codes), for the union of the batch's extras; a row's other extras stay -inf.
+    """
 
     def __init__(self, head: nn.Module, keep: torch.Tensor, vocab_size: int, full: nn.Module) -> None:
         super().__init__()
@@ -33,11 +39,37 @@ class SubsetHead(nn.Module):
         self.full = full
         self.vocab_size = vocab_size
         self.register_buffer("keep", keep)
+        self._kept = set(keep.tolist())
+        self._extras: list[list[int]] | None = None
+        self._extra_layer: tuple[tuple[int, ...], nn.Module] | None = None  # the last union's rows, reused
+
+    def set_row_extras(self, extras: list[list[int]] | None) -> None:
+        """Token ids each input row may also produce (ids already kept are ignored); None clears."""
+        if extras is not None and any(not 0 <= t < self.vocab_size for ids in extras for t in ids):
+            raise ValueError(f"extra token ids must lie in 0..{self.vocab_size - 1}")
+        self._extras = None if extras is None else [sorted(set(ids) - self._kept) for ids in extras]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sub = self.head(x)  # [..., n_keep]
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
-        return out.index_copy_(-1, self.keep, sub)
+        out.index_copy_(-1, self.keep, sub)
+        extras = self._extras
+        if extras is None or not any(extras):
+            return out
+        if len(extras) != x.shape[0]:
+            raise ValueError(f"extras for {len(extras)} rows, input has {x.shape[0]}")
+        union = tuple(sorted({t for ids in extras for t in ids}))
+        if self._extra_layer is None or self._extra_layer[0] != union:
+            ids = torch.tensor(union, dtype=torch.long, device=self.keep.device)
+            self._extra_layer = (union, head_rows(self.full, ids))
+        ex = self._extra_layer[1](x).to(out.dtype)  # [..., n_union]
+        col = {t: i for i, t in enumerate(union)}
+        allowed = torch.zeros(x.shape[0], len(union), dtype=torch.bool, device=out.device)  # [B, n_union]
+        for b, ids in enumerate(extras):
+            allowed[b, [col[t] for t in ids]] = True
+        allowed = allowed.view(x.shape[0], *([1] * (out.dim() - 2)), len(union))
+        ids = torch.tensor(union, dtype=torch.long, device=out.device)
+        return out.index_copy_(-1, ids, torch.where(allowed, ex, torch.full_like(ex, float("-inf"))))
 
 
 def head_rows(head: nn.Module, keep: torch.Tensor) -> nn.Module:
