@@ -41,9 +41,9 @@ class DraftSeq:
     region_start: int = -1  # SSD: cache position of x_1 in the open tree region
     round_id: int = -1
     # Ranked candidates (greedy rows): the tokens last drafted here after the committed ones and the top of
-    # the distribution each was drafted from (tops[j]: after x_0..x_j), kept by a draft with the whole
-    # vocabulary, so speculate needs no glue rows to rank outcomes before x_K; and the confidences
-    # c_k = q_k(x_{k+1}) of the speculation awaiting resolve, which calibrate g (workers/ranking.py).
+    # the distribution each was drafted from (tops[j]: after x_0..x_j, over the ids the draft can propose),
+    # so speculate needs no glue rows to rank outcomes before x_K; and the confidences c_k = q_k(x_{k+1})
+    # of the speculation awaiting resolve, which calibrate g (workers/ranking.py).
     drafted: list[int] = field(default_factory=list)
     tops: list[Top] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
@@ -151,7 +151,7 @@ class DraftWorker(ModelWorker):
 
     def _see(self, st: DraftSeq, tokens: list[int]) -> None:
         if self._context:
-            st.context.update(t for t in tokens if t not in self._subset._kept)
+            st.context.update(t for t in tokens if t not in self._subset.kept_ids)
 
     def _forward(self, states: list[DraftSeq], tokens: list[list[int]], **kw) -> torch.Tensor:
         """runner.forward for these sequences' drafting rows; a restricted layer adds their context."""

@@ -39,7 +39,7 @@ class SubsetHead(nn.Module):
         self.full = full
         self.vocab_size = vocab_size
         self.register_buffer("keep", keep)
-        self._kept = set(keep.tolist())
+        self.kept_ids = set(keep.tolist())  # for membership tests
         self._extras: list[list[int]] | None = None
         self._extra_layer: tuple[tuple[int, ...], nn.Module] | None = None  # the last union's rows, reused
 
@@ -47,7 +47,7 @@ class SubsetHead(nn.Module):
         """Token ids each input row may also produce (ids already kept are ignored); None clears."""
         if extras is not None and any(not 0 <= t < self.vocab_size for ids in extras for t in ids):
             raise ValueError(f"extra token ids must lie in 0..{self.vocab_size - 1}")
-        self._extras = None if extras is None else [sorted(set(ids) - self._kept) for ids in extras]
+        self._extras = None if extras is None else [sorted(set(ids) - self.kept_ids) for ids in extras]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sub = self.head(x)  # [..., n_keep]
