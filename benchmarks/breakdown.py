@@ -5,7 +5,9 @@ versus everything else (Python and small torch ops), for one model and quantisat
 
 Wraps the `ssd.kernels.cpu` entry points with timers, decodes single tokens (or scores `--tokens N`
 at once, as a verification does) over a 200-token cache and prints milliseconds per step; writes
-results/breakdown-<model>-<quantization>[-n<N>].json.
+results/breakdown-<model>-<quantization>[-n<N>][-v<V>[-full]].json. `--draft-vocab V` restricts the output
+layer as a draft's `draft_vocab` does; `--full-vocab` then asks for the whole vocabulary's logits, as an SSD
+glue row with `candidate_vocab="full"`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ssd.workers.loader import load_model
 from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.dense import use_dense_kernels
 from ssd.workers.models.hugepages import move_to_huge_pages
+from ssd.workers.models.vocab_subset import draft_vocab_ids, restrict_head
 
 KERNELS = ("decoder_layers", "linear", "linear_dense", "attend_rows", "rmsnorm", "silu_mul")
 
@@ -36,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=1,
                     help="tokens scored per step: 1 = a decode step, K + 1 = verifying K drafted tokens")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="restrict the output layer to the first N token ids (+ eos), as a draft's draft_vocab")
+    ap.add_argument("--full-vocab", action="store_true",
+                    help="with --draft-vocab: the whole vocabulary's logits (an SSD glue row, candidate_vocab=full)")
     ap.add_argument("--out", default=None,
                     help="JSON path (default: results/breakdown-<model>-<quantization>[-n<N>].json)")
     args = ap.parse_args(argv)
@@ -44,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model, dtype=torch.bfloat16, quantization=quant, progress=False).model
     if quant is None:
         use_dense_kernels(model)
+    if args.draft_vocab:
+        eos = list(model.config.eos_token_ids)
+        restrict_head(model, draft_vocab_ids(model.config.vocab_size, args.draft_vocab, eos))
+    elif args.full_vocab:
+        ap.error("--full-vocab needs --draft-vocab")
     move_to_huge_pages(model)  # as every CPU worker does
     runner = ModelRunner(model, max_slots=1, max_len=512)
     slot = runner.allocate()
@@ -62,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         setattr(cpu_kernels, name, timed)  # the model code calls cpu_kernels.<name> at run time
 
     def step() -> None:
-        runner.forward([slot], [[100 + i for i in range(args.tokens)]], last_only=args.tokens == 1)
+        runner.forward([slot], [[100 + i for i in range(args.tokens)]], last_only=args.tokens == 1,
+                       full_vocab=args.full_vocab)
         runner.truncate(slot, 200)
 
     for _ in range(3):
@@ -78,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model} {args.quantization} {args.threads} threads: {total:.1f} ms per {what}")
     for k, v in [*per.items(), ("everything else", rest)]:
         print(f"  {k:<16} {v:7.1f} ms  {100 * v / total:5.1f} %")
-    tag = "" if args.tokens == 1 else f"-n{args.tokens}"
+    tag = ("" if args.tokens == 1 else f"-n{args.tokens}") + (f"-v{args.draft_vocab}" if args.draft_vocab else "") + (
+        "-full" if args.full_vocab else "")
     out = Path(args.out or Path(__file__).resolve().parent.parent / "results" /
                f"breakdown-{args.model}-{args.quantization}{tag}.json")
     out.write_text(json.dumps(dict(args=vars(args), step_ms=round(total, 2),

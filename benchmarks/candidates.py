@@ -55,7 +55,7 @@ class Replay:
 
     def round(self, p: int, K: int) -> tuple[list[int], list[Top], list[Top], int]:
         """The greedy round from output position p: (x_1..x_K, whole-vocabulary tops of q_0..q_K, the
-        drafting layer's tops of q_0..q_{K-1}, k accepted); fewer tops where the output ends first."""
+        drafting layer's tops of q_0..q_K, k accepted); fewer tops where the output ends first."""
         n, cols = len(self.out), self.columns(p)
 
         def greedy(row: torch.Tensor) -> int:
@@ -80,7 +80,7 @@ class Replay:
                 x.append(greedy(rows[-1]))
             self.w.runner.truncate(self.slot, len(self.prompt) + p + k)  # the draft's own tokens out again
         stacked = torch.stack(rows)  # [<= K + 1, V]
-        return x, self.w._tops(stacked), self.w._tops(stacked[:K], cols), k
+        return x, self.w._tops(stacked), self.w._tops(stacked, cols), k
 
     def _cache_upto(self, j: int) -> None:
         """The cache holds prompt + out[:j] (re-feeds true tokens a previous round's own tokens replaced)."""
@@ -104,7 +104,7 @@ def quota_candidates(x: list[int], tops: list[Top], fanout: list[int]) -> set[tu
 
 
 def replay_set(w: DraftWorker, pairs: list[tuple[list[int], list[int]]], K: int, budgets: list[int],
-               context: bool = True) -> dict:
+               context: bool = True, candidate_vocab: str = "draft") -> dict:
     hits = {b: {"quota": 0, "ranked": 0} for b in budgets}
     rounds = emitted = 0
     planners = {b: FanoutPlanner(K=K, B=b) for b in budgets}
@@ -118,13 +118,15 @@ def replay_set(w: DraftWorker, pairs: list[tuple[list[int], list[int]]], K: int,
                 break
             t_star = out[p + k]
             rounds += 1
-            # as DraftWorker.speculate: quotas from the glue's whole-vocabulary rows; ranking from the
-            # distributions x_1..x_K were drafted from, and the glue's row for k = K
-            ranked_tops = drafting[:K] + tops[K:]
+            # as DraftWorker.speculate: quotas from the glue's rows, ranking from the distributions x_1..x_K
+            # were drafted from and the glue's row for k = K; glue rows on the whole vocabulary or the
+            # drafting ids (candidate_vocab)
+            glue = tops if candidate_vocab == "full" else drafting
+            ranked_tops = drafting[:K] + glue[K:]
             for b in budgets:
                 if len(tops) == K + 1:
                     fo = planners[b].plan(seq_id, "primary")
-                    hit = (k, t_star) in quota_candidates(x, tops, fo)
+                    hit = (k, t_star) in quota_candidates(x, glue, fo)
                     planners[b].observe_hit(fo[k], hit)
                     hits[b]["quota"] += hit
                     hits[b]["ranked"] += (k, t_star) in ranked_outcomes(x, ranked_tops, b, accept[b].rate)
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-context", action="store_true",
                     help="the restricted draft proposes its kept ids only (draft_vocab_context=False)")
+    ap.add_argument("--candidate-vocab", choices=("draft", "full"), default="draft",
+                    help="the ids the glue rows rank candidates over, as the engine's candidate_vocab")
     ap.add_argument("--out", default="results/candidates.json")
     args = ap.parse_args(argv)
     src = json.loads(Path(args.source).read_text())
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [(w.tokenizer.encode(t), o) for t, o in zip(as_fed(w.tokenizer, name, prompts), outs, strict=True)]
         results["sets"][name] = {}
         for K in ks:
-            r = replay_set(w, pairs, K, budgets, context=not args.no_context)
+            r = replay_set(w, pairs, K, budgets, context=not args.no_context, candidate_vocab=args.candidate_vocab)
             results["sets"][name][str(K)] = r
             cells = " | ".join(f"{r[str(b)]['quota']:.2f} / **{r[str(b)]['ranked']:.2f}**" for b in budgets)
             print(f"| {name} | {K} | {r['rounds']} | {r['tau']} | {cells} |", flush=True)

@@ -80,6 +80,8 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--saguaro-c", type=float, help="Saguaro sampling coefficient in [0, 1]")
     g.add_argument("--candidates", choices=("ranked", "quota"),
                    help="how greedy SSD rows spend the fan-out budget (default: ranked)")
+    g.add_argument("--candidate-vocab", choices=("draft", "full"),
+                   help="with --draft-vocab, the ids SSD ranks its candidate outcomes over (default: draft)")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "bf16", "fp32"), help="weights dtype")
     g.add_argument("--max-batch", type=int, help="max concurrent sequences in the running batch")
     g.add_argument("--max-len", type=int, help="max tokens per sequence (prompt + output)")
@@ -215,7 +217,8 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.target_tp is not None and args.target_tp < 1:
         raise CLIError("--target-tp must be >= 1")
     for flag, key in (("k", "k"), ("fanout", "fanout"), ("saguaro_c", "saguaro_c"), ("candidates", "candidates"),
-                      ("dtype", "dtype"), ("max_batch", "max_batch"), ("max_len", "max_len")):
+                      ("candidate_vocab", "candidate_vocab"), ("dtype", "dtype"), ("max_batch", "max_batch"),
+                      ("max_len", "max_len")):
         v = getattr(args, flag)
         if v is not None:
             kw[key] = v

@@ -103,7 +103,8 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
         common = dict(quantization=cfg.quantization, linear_kernel=cfg.linear_kernel, cuda_graphs=cfg.cuda_graphs)
         draft_kwargs = dict(common, max_len=cfg.max_len + draft_headroom(cfg), saguaro_c=cfg.saguaro_c,
                             quantization=cfg.draft_quantization, draft_vocab=cfg.draft_vocab,
-                            ranked=ranked_candidates(cfg), context_vocab=cfg.draft_vocab_context)
+                            ranked=ranked_candidates(cfg), context_vocab=cfg.draft_vocab_context,
+                            candidate_vocab=cfg.candidate_vocab)
         rtarget, rdraft, rinfo, rtok = place_workers(cfg, target_kwargs=common, draft_kwargs=draft_kwargs)
         return _assemble(cfg, rtarget, rdraft, rinfo, rtok, [h for h in (rtarget, rdraft) if h is not None])
 
@@ -126,7 +127,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
             max_len=cfg.max_len + draft_headroom(cfg), num_threads=cfg.draft_threads, cpu_cores=cfg.draft_cores,
             saguaro_c=cfg.saguaro_c, quantization=cfg.draft_quantization, linear_kernel=cfg.linear_kernel,
             cuda_graphs=cfg.cuda_graphs, draft_vocab=cfg.draft_vocab, ranked=ranked_candidates(cfg),
-            context_vocab=cfg.draft_vocab_context,
+            context_vocab=cfg.draft_vocab_context, candidate_vocab=cfg.candidate_vocab,
         )
         dinfo = draft_w.info()
         if dinfo["vocab_size"] != info["vocab_size"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ssd.workers.draft_worker import CANDIDATE_VOCABS
 from ssd.workers.models.dense import LINEAR_KERNELS
 from ssd.workers.models.quant import QUANT_MODES
 
@@ -40,6 +41,10 @@ class Config:
     # (its probability of x_1..x_k, then t*), "quota" on F_k candidates per k as the fan-out gives them.
     # Sampled rows and an explicit fan-out list always use the quotas.
     candidates: str = "ranked"
+    # With draft_vocab: the ids SSD ranks its candidates t* over: "draft", the ids the draft proposes, or
+    # "full", the whole vocabulary (also predicts target tokens outside them, for one full output-layer row
+    # per round).
+    candidate_vocab: str = "draft"
     saguaro_c: float = 1.0  # Saguaro sampling coefficient (1.0 = plain draft sampling)
     backup: str = "auto"
     max_batch: int = 8
@@ -83,6 +88,9 @@ class Config:
             )
         if self.candidates not in ("ranked", "quota"):
             raise ValueError(f"candidates must be 'ranked' or 'quota', got {self.candidates!r}")
+        if self.candidate_vocab not in CANDIDATE_VOCABS:
+            raise ValueError(
+                f"candidate_vocab must be one of {', '.join(CANDIDATE_VOCABS)}, got {self.candidate_vocab!r}")
         if self.draft_vocab is not None and not (isinstance(self.draft_vocab, int) and self.draft_vocab >= 1):
             raise ValueError(f"draft_vocab must be a positive integer or None, got {self.draft_vocab!r}")
         if self.linear_kernel not in LINEAR_KERNELS:

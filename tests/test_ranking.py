@@ -117,23 +117,29 @@ def _speculate_once(worker, prompt, budget, K=3):
     return x, info, sorted(worker.cache.keys(0)), fed
 
 
-def _glue_logits(draft, x, **kw):
-    """q_0..q_K on the whole vocabulary: [x_0 = 5, x_1..x_K] fed after the prompt's first four tokens."""
+def _glue_logits(draft, x, full: bool = True, **kw):
+    """q_0..q_K ([K + 1, V]): [x_0 = 5, x_1..x_K] fed after the prompt's first four tokens; `full`: on the
+    whole vocabulary, else on the ids the worker drafts from (-inf elsewhere), with those ids."""
     ref = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128, **kw)
     ref.add(0, [3, 1, 4, 1, 5], SamplingSpec(temperature=0))
     assert ref.propose([(0, len(x))])[0][0].tokens == x
-    slot = ref.dseqs[0].slot
-    ref.runner.truncate(slot, 4)
-    return ref.runner.forward([slot], [[5, *x]], full_vocab=True)[0]  # [K + 1, V]
+    st = ref.dseqs[0]
+    ref.runner.truncate(st.slot, 4)
+    if full:
+        return ref.runner.forward([st.slot], [[5, *x]], full_vocab=True)[0], None
+    return ref._forward([st], [[5, *x]])[0], ref._columns([st])
 
 
-def test_ranked_worker_fills_the_cache_with_the_likeliest_outcomes(models):
+@pytest.mark.parametrize("candidate_vocab", ["full", "draft"])
+def test_ranked_worker_fills_the_cache_with_the_likeliest_outcomes(models, candidate_vocab):
     """A ranked worker ranks k < K from the distributions it drafted x_1..x_K from (here a restricted layer's)
-    and k = K from one whole-vocabulary glue row, and caches exactly ranked_outcomes of them; without kept
-    tops it scores every k on the whole vocabulary (K + 1 glue rows); a quota worker caches F_k per k."""
+    and k = K from one glue row (on the whole vocabulary or the draft's own ids, `candidate_vocab`), and caches
+    exactly ranked_outcomes of them; without kept tops it scores every k on that vocabulary (K + 1 glue rows);
+    a quota worker caches F_k per k."""
     draft = models[1]
     K, budget = 3, 5
-    w = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128, ranked=True, draft_vocab=24)
+    kw = dict(dtype="float32", max_slots=1, max_len=128, draft_vocab=24, candidate_vocab=candidate_vocab)
+    w = DraftWorker(draft, ranked=True, **kw)
     w.add(0, [3, 1, 4, 1, 5], SamplingSpec(temperature=0))
     x = w.propose([(0, K)])[0][0].tokens
     kept = list(w.dseqs[0].tops)
@@ -141,20 +147,24 @@ def test_ranked_worker_fills_the_cache_with_the_likeliest_outcomes(models):
     w.remove(0)
     x2, info, keys, fed = _speculate_once(w, [3, 1, 4, 1, 5], budget, K)
     assert x2 == x and fed[0] == 1
-    logits = _glue_logits(draft, x, draft_vocab=24)
-    want = ranked_outcomes(x, kept + w._tops(logits[K:]), budget, w.acceptance.rate)
+    logits, cols = _glue_logits(draft, x, full=candidate_vocab == "full", draft_vocab=24)
+    bonus = w._tops(logits[K:], cols)
+    assert candidate_vocab == "full" or all(t < 24 for t in bonus[0][0])  # the prompt's ids are kept ones
+    want = ranked_outcomes(x, kept + bonus, budget, w.acceptance.rate)
     assert keys == sorted(want) and len(want) == budget
     assert info["fanout"] == [[0, [sum(k == j for k, _ in want) for j in range(K + 1)]]]
 
-    full = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128, ranked=True, draft_vocab=24)
+    full = DraftWorker(draft, ranked=True, **kw)
     full._has_tops = lambda st, r: False
     _, _, fkeys, ffed = _speculate_once(full, [3, 1, 4, 1, 5], budget, K)
     assert ffed[0] == K + 1
-    assert fkeys == sorted(ranked_outcomes(x, full._tops(logits), budget, full.acceptance.rate))
+    assert fkeys == sorted(ranked_outcomes(x, full._tops(logits, cols), budget, full.acceptance.rate))
 
-    quota = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128, draft_vocab=24)
+    quota = DraftWorker(draft, **kw)
     _, qinfo, qkeys, qfed = _speculate_once(quota, [3, 1, 4, 1, 5], budget, K)
     assert qinfo["fanout"] == [] and {k for k, _ in qkeys} == {K} and qfed[0] == 1
+    top = logits[K].topk(budget).indices if cols is None else cols[logits[K, cols].topk(budget).indices]
+    assert qkeys == sorted((K, t) for t in top.tolist())
 
 
 def test_ranked_worker_with_the_whole_vocabulary_keeps_the_drafting_tops(models):

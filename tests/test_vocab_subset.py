@@ -75,34 +75,34 @@ def test_restricted_draft_greedy_equals_ar(models, ar_outputs, mode):
         assert st["drafted_tokens"] > 0
 
 
-@pytest.mark.parametrize("full_vocab_candidates", [True, False])
-def test_outcomes_outside_the_draft_vocab_are_still_predicted(models, monkeypatch, full_vocab_candidates):
+@pytest.mark.parametrize("candidate_vocab", ["full", "draft"])
+def test_outcomes_outside_the_draft_vocab_are_still_predicted(models, candidate_vocab):
     """draft == target restricted to half the vocabulary, greedy, one candidate per k: the target rejects
     every draft token its argmax is not among the kept ids, and its correction is the draft's whole-vocabulary
-    argmax. SSD ranks the candidates over the whole vocabulary, so every outcome is a hit. Negative control:
-    ranking them with the restricted layer misses every such correction."""
-    from ssd.workers.model_runner import ModelRunner
-
-    if not full_vocab_candidates:
-        forward = ModelRunner.forward
-        monkeypatch.setattr(ModelRunner, "forward", lambda self, *a, full_vocab=False, **kw: forward(self, *a, **kw))
+    argmax. With candidate_vocab="full" SSD ranks the candidates over the whole vocabulary, so every outcome
+    is a hit; with "draft" (the ids the draft proposes) it misses such corrections outside the context."""
     target = models[0]
     k = 3
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with LLM(target=target, mode="ar", dtype="float32", max_batch=1, max_len=128) as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, sp)]
     with LLM(target=target, draft=target, mode="ssd", backup="neural", k=k, fanout=[1] * (k + 1),
-             draft_vocab=20, dtype="float32", max_batch=1, max_len=128) as llm:
+             draft_vocab=20, candidate_vocab=candidate_vocab, dtype="float32", max_batch=1, max_len=128) as llm:
         outs = [llm.generate([p], sp)[0] for p in PROMPTS]
         st = llm.stats()
     assert [o.token_ids for o in outs] == want
     assert sum(t >= 20 for o in outs for t in o.token_ids) >= 5  # corrections outside the kept ids occur
     short = sum(n for kk, n in st["cache_hits_per_k"].items() if int(kk) < k)  # rounds that rejected a token
     misses = sum(st["cache_misses_per_k"].values())
-    if full_vocab_candidates:
+    if candidate_vocab == "full":
         assert misses == 0 and short >= 5, st
     else:
         assert misses >= 5, st
+
+
+def test_candidate_vocab_is_checked(models):
+    with pytest.raises(ValueError, match="candidate_vocab"):
+        LLM(target=models[0], draft=models[0], candidate_vocab="kept")
 
 
 @pytest.mark.parametrize("name", list(_heads()))

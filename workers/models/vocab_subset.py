@@ -8,9 +8,9 @@ of frequency) cover ~93-96 % of the tokens the target emits on HumanEval and MT-
 
 `restrict_head(model, keep)` swaps the model's `lm_head` for a `SubsetHead`: the kept rows of the same
 weights (the same codes for quantised heads, so kept logits keep their values) whose logits are
-scattered into a full-vocabulary row of -inf. It keeps the whole layer too, for `full`: SSD ranks the
-likely verification outcomes with it (a target token outside the kept ids is still a token the draft
-can continue from, and predicting it costs one full-vocabulary row per round, not per draft step).
+scattered into a full-vocabulary row of -inf. It keeps the whole layer too, for `full`: with
+candidate_vocab="full" SSD ranks the likely verification outcomes with it (a target token outside the kept
+ids is still a token the draft can continue from; predicting it costs one full-vocabulary row per round).
 """
 
 from __future__ import annotations
