@@ -40,6 +40,7 @@ while True:
 _DRAFT = _PIN + """from ssd.workers.loader import load_model
 from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.hugepages import move_to_huge_pages
+from ssd.workers.models.vocab_subset import draft_vocab_ids, restrict_head
 model = load_model(sys.argv[2], dtype=torch.bfloat16, quantization=sys.argv[3] or None, progress=False).model
 if int(sys.argv[4]):
     restrict_head(model, draft_vocab_ids(model.config.vocab_size, int(sys.argv[4]), list(model.config.eos_token_ids)))
