@@ -98,7 +98,7 @@ class DraftWorker(ModelWorker):
         # candidate_vocab: the ids speculate's glue rows rank the candidates t* over, for a restricted
         # layer: "draft", the ids the draft proposes (kept + context); "full", the whole vocabulary, which
         # also predicts target tokens outside them for one full output-layer row per round (the 0.5B on
-        # one core: a glue forward of 18.6 ms instead of 12.4).
+        # one core: a one-token glue forward of 17.4 ms instead of 11.4, benchmarks/breakdown.py).
         self._full_candidates = candidate_vocab == "full"
         self.last_propose_s = 0.0
         self.last_speculate_s = 0.0
@@ -320,8 +320,7 @@ class DraftWorker(ModelWorker):
         from_tops = [rk and self._has_tops(st, r) for rk, st, r in zip(ranked, states, requests)]
         glues = [self._glue(st, r, self._first_needed(r, rk, ft))
                  for st, r, rk, ft in zip(states, requests, ranked, from_tops)]
-        # The candidates are predictions, not drafts: ranking them over the whole vocabulary keeps a target
-        # token outside a restricted draft's ids predictable, and changes no q.
+        # The candidates are predictions, not drafts: whichever ids they are ranked over, no q changes.
         glue_tokens = [g for g, _, _ in glues]
         if self._full_candidates:
             logits = self.runner.forward([st.slot for st in states], glue_tokens, full_vocab=True)  # [B, n, V]
