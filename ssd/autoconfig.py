@@ -111,25 +111,34 @@ class SSDTuner(_AcceptanceCounts):
 
     verify_scale: float = 1.0  # measured / start-up verification time (decayed average)
     spec_scale: float = 1.0  # measured / start-up speculation time
-    t_fixed: float = 0.0  # per-round wait after verification that the speculation does not explain
+    t_fixed: float = 0.0  # per-round wait after verification that the speculation does not explain (no draft)
+    miss_scale: float = 1.0  # measured / start-up time of a miss's just-in-time draft of k tokens
     ema: float = 0.3
     ranked: RankedHits | None = None  # greedy rows rank their candidates: hit rates from these, not the quotas'
 
-    def observe_round_times(self, k: int, b: int, t_verify: float, t_spec: float, t_wait: float) -> None:
+    def observe_round_times(self, k: int, b: int, t_verify: float, t_spec: float, t_wait: float,
+                            jit_draft: bool = False) -> None:
         """One SSD round of a single sequence: drafts of length k verified in t_verify while the draft
-        speculated (k, b) in t_spec; then t_wait more until the next speculation was resolved."""
+        speculated (k, b) in t_spec; then t_wait more until the next speculation was resolved. `jit_draft`:
+        the round missed and the wait includes the neural backup's just-in-time draft of k tokens, which
+        calibrates the price of a miss instead of the fixed per-round wait (counted in both, every miss
+        would be paid twice, and the doubled constant made long drafts look cheap)."""
         if k + 1 not in self.t_verify or b not in self.t_branch or min(t_verify, t_spec) <= 0:
             return
         e = self.ema
         self.verify_scale = (1 - e) * self.verify_scale + e * t_verify / self.t_verify[k + 1]
         self.spec_scale = (1 - e) * self.spec_scale + e * t_spec / spec_time(self.t_chain, self.t_branch, k, b)
         fixed = max(0.0, t_wait - max(0.0, t_spec - t_verify))  # the wait beyond the speculation's overrun
-        self.t_fixed = (1 - e) * self.t_fixed + e * fixed
+        if jit_draft:
+            miss = max(0.0, fixed - self.t_fixed) / (k * self.t_branch[1])
+            self.miss_scale = (1 - e) * self.miss_scale + e * miss
+        else:
+            self.t_fixed = (1 - e) * self.t_fixed + e * fixed
 
     def choose(self) -> tuple[int, int]:
         return _choose_ssd(self.t_verify, self.t_chain, self.t_branch, self.acceptance,
                            self.verify_scale, self.spec_scale, self.t_fixed,
-                           hit_rate=None if self.ranked is None else self.ranked.hit_rate)
+                           hit_rate=None if self.ranked is None else self.ranked.hit_rate, miss_scale=self.miss_scale)
 
 
 def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float) -> int:
@@ -167,7 +176,7 @@ def spec_time(t_chain: dict[int, float], t_branch: dict[int, float], k: int, b: 
 
 def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch: dict[int, float],
                 a: float, verify_scale: float = 1.0, spec_scale: float = 1.0, t_fixed: float = 0.0,
-                hit_rate: Callable[[int], float] | None = None) -> tuple[int, int]:
+                hit_rate: Callable[[int], float] | None = None, miss_scale: float = 1.0) -> tuple[int, int]:
     """The (K, B) with the most expected tokens per second; the scales and the fixed per-round cost
     correct the start-up latencies with what rounds actually took (SSDTuner.observe_round_times).
     `hit_rate(B)`: ranked candidates' hit rate (RankedHits), else the geometric quotas' model."""
@@ -180,7 +189,8 @@ def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch:
             else:
                 e_hit = model_hit_rate(geometric_fanout(a, PRIOR_R, k, b), a, PRIOR_R)
             # a miss costs a just-in-time draft of k steps on top of the round
-            t_round = max(verify_scale * t_verify[k + 1], t_spec) + t_fixed + (1 - e_hit) * k * t_branch[1]
+            t_miss = miss_scale * k * t_branch[1]
+            t_round = max(verify_scale * t_verify[k + 1], t_spec) + t_fixed + (1 - e_hit) * t_miss
             score = expected_tokens(a, k) / t_round
             if score > best_score:
                 best, best_score = (k, b), score

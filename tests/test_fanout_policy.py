@@ -211,6 +211,32 @@ def test_ssd_tuner_corrects_start_up_latencies_with_measured_rounds():
     assert tuner.spec_scale == pytest.approx(20, rel=0.01)
 
 
+def test_ssd_tuner_prices_misses_from_their_own_waits():
+    """A miss's just-in-time draft calibrates the miss price (miss_scale), not the fixed per-round wait:
+    counted in both, every miss would be paid twice, and a constant per round favours long drafts."""
+    from ssd.autoconfig import SSDTuner, _choose_ssd, spec_time
+
+    chain = {n: 0.010 + 0.001 * n for n in range(1, 40)}
+    branch = {n: 0.005 + 0.0005 * n for n in range(1, 40)}
+    tuner = SSDTuner(t_verify=CHEAP_VERIFY, t_chain=chain, t_branch=branch)
+    k, b = 2, 3
+    t_spec = spec_time(chain, branch, k, b)
+    overrun = max(0.0, t_spec - CHEAP_VERIFY[k + 1])
+    for i in range(60):  # hits wait 2 ms; every other round misses and drafts k tokens at 3x their start-up time
+        miss = i % 2 == 1
+        wait = overrun + 0.002 + (3 * k * branch[1] if miss else 0.0)
+        tuner.observe_round_times(k, b, CHEAP_VERIFY[k + 1], t_spec, wait, jit_draft=miss)
+    assert tuner.t_fixed == pytest.approx(0.002, rel=0.01)
+    assert tuner.miss_scale == pytest.approx(3.0, rel=0.01)
+    a = tuner.acceptance
+    assert tuner.choose() == _choose_ssd(CHEAP_VERIFY, chain, branch, a, tuner.verify_scale, tuner.spec_scale,
+                                         0.002, miss_scale=3.0)
+    # a dearer miss moves the choice towards what misses less or costs less to redraft
+    cheap = _choose_ssd(CHEAP_VERIFY, chain, branch, 0.6, hit_rate=lambda b: min(0.95, 0.3 + 0.05 * b))
+    dear = _choose_ssd(CHEAP_VERIFY, chain, branch, 0.6, hit_rate=lambda b: min(0.95, 0.3 + 0.05 * b), miss_scale=50.0)
+    assert dear != cheap and (dear[0] < cheap[0] or dear[1] > cheap[1])
+
+
 def test_autoconfig_hit_model_credits_the_drafts_top_choice_at_the_bonus_position():
     from ssd.autoconfig import budgets, model_hit_rate
 

@@ -427,8 +427,9 @@ class SSDMode(DraftBackedMode):
         t_wait = time.perf_counter() - t1
         self.stats.draft_s += t_wait  # speculation overrun + lookup + backup
         if self.tuner is not None and len(seqs) == 1 and len(drafts[0].tokens) == requests[0].k_next:
+            jit = not resolutions[0].hit and resolutions[0].draft is not None  # the neural backup drafted
             self.tuner.observe_round_times(requests[0].k_next, sum(requests[0].fanout), t_verify, info["seconds"],
-                                           t_wait)
+                                           t_wait, jit_draft=jit)
         hits = 0
         ranked = {sid: f for sid, f in info.get("fanout") or []}  # rows that ranked candidates: counts per k
         for s, d, src, o, r, req, (_, _, _, k_next) in zip(seqs, drafts, sources, outcomes, resolutions, requests,
