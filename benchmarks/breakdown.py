@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full-vocab", action="store_true",
                     help="with --draft-vocab: the whole vocabulary's logits (an SSD glue row, candidate_vocab=full)")
     ap.add_argument("--out", default=None,
-                    help="JSON path (default: results/breakdown-<model>-<quantization>[-n<N>].json)")
+                    help="JSON path (default: results/breakdown-<model>-<quantization>[-n<N>][-v<V>[-full]].json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     quant = None if args.quantization == "bf16" else args.quantization
