@@ -5,14 +5,14 @@ SSD hides the draft only if its per-round work fits inside one verification:
 Among the (K, B) that fit, take the one with the most expected tokens per second (model hit rate
 from the geometric fan-out at a prior acceptance rate); plain SD maximises
 E_tokens(K) / (K * t_draft(1) + t_verify(K + 1)). `KTuner` (SD) and `SSDTuner` (SSD: K and B)
-re-choose every round from the acceptance observed so far (the prior is only a starting point: code
-drafts are accepted ~99 % of the time, prose far less).
+re-choose every round from the acceptance observed so far, per request (the prior is only a starting
+point: code drafts are accepted ~99 % of the time, prose far less).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ssd.fanout import expected_hit_rate, geometric_fanout, outcome_probs
@@ -45,8 +45,8 @@ class AutoConfig:
 @dataclass
 class _AcceptanceCounts:
     """Per-token acceptance from rounds as successes / (successes + failures) — a round that accepts n
-    of k drafts is n successes and, if n < k, one failure — with old rounds decayed and
-    PRIOR_ACCEPTANCE worth `prior_weight` tokens, so a few rounds cannot swing K."""
+    of k drafts is n successes and, if n < k, one failure — with old rounds decayed and a prior
+    (PRIOR_ACCEPTANCE unless given) worth `prior_weight` tokens, so a few rounds cannot swing K."""
 
     prior_weight: float = 4.0
     decay: float = 0.9
@@ -59,47 +59,102 @@ class _AcceptanceCounts:
         self.successes = self.decay * self.successes + accepted
         self.failures = self.decay * self.failures + (1.0 if accepted < drafted else 0.0)
 
+    def estimate(self, prior: float) -> float:
+        w = self.prior_weight
+        return (self.successes + w * prior) / (self.successes + self.failures + w)
+
     @property
     def acceptance(self) -> float:
-        w = self.prior_weight
-        return (self.successes + w * PRIOR_ACCEPTANCE) / (self.successes + self.failures + w)
+        return self.estimate(PRIOR_ACCEPTANCE)
 
 
 @dataclass
-class KTuner(_AcceptanceCounts):
-    """Plain SD's draft length, re-chosen every round from observed acceptance and start-up latencies."""
+class _RequestAcceptance(_AcceptanceCounts):
+    """Engine-wide acceptance counts plus one set per request. A request's own counts start empty with
+    the engine-wide estimate as their prior: a new request starts from what the engine saw last (the
+    workload) and its own rounds take over within a few rounds. Engine-wide counts alone carried a
+    code prompt's acceptance ~0.97 ten rounds or more into a prose one (K = 4, B = 1 miss streaks)."""
+
+    requests: dict[int, _AcceptanceCounts] = field(default_factory=dict)
+
+    def observe(self, drafted: int, accepted: int, seq_id: int | None = None) -> None:
+        super().observe(drafted, accepted)
+        if seq_id is not None and drafted > 0:
+            own = self.requests.setdefault(seq_id, _AcceptanceCounts(self.prior_weight, self.decay))
+            own.observe(drafted, accepted)
+
+    def acceptance_of(self, seq_ids: Sequence[int] = ()) -> float:
+        """The batch's acceptance: the mean of its requests' own estimates (the engine-wide one without ids)."""
+        engine = self.acceptance
+        if not seq_ids:
+            return engine
+        own = [self.requests[s].estimate(engine) if s in self.requests else engine for s in seq_ids]
+        return sum(own) / len(own)
+
+    def forget(self, seq_id: int) -> None:
+        self.requests.pop(seq_id, None)
+
+
+@dataclass
+class KTuner(_RequestAcceptance):
+    """Plain SD's draft length, re-chosen every round from the batch's observed acceptance and start-up
+    latencies."""
 
     t_verify: dict[int, float] = field(default_factory=dict)
     t_draft1: float = 0.0
 
-    def choose(self) -> int:
-        return _choose_sd(self.t_verify, self.t_draft1, self.acceptance)
+    def choose(self, seq_ids: Sequence[int] = ()) -> int:
+        return _choose_sd(self.t_verify, self.t_draft1, self.acceptance_of(seq_ids))
 
 
 @dataclass
-class RankedHits:
-    """Ranked candidates' hit rate against the budget B: miss(B) = m * B^-RANKED_SLOPE, m from the rounds
-    seen so far at whatever budgets they used (decayed; a prior of m = prior_miss worth a few rounds)."""
+class _MissCounts:
+    """Ranked candidates' miss scale m of miss(B) = m * B^-RANKED_SLOPE from rounds at whatever budgets they
+    used (decayed), with a prior m worth `prior_weight` rounds."""
 
-    prior_miss: float = 0.5
     prior_weight: float = 4.0
     decay: float = 0.97
     misses: float = 0.0
     exposure: float = 0.0  # decayed sum of B^-RANKED_SLOPE over the rounds seen
 
-    def observe(self, budget: int, hit: bool) -> None:
-        if budget <= 0:
-            return
+    def count(self, budget: int, hit: bool) -> None:
         self.misses = self.decay * self.misses + (0.0 if hit else 1.0)
         self.exposure = self.decay * self.exposure + budget ** -RANKED_SLOPE
 
-    def hit_rate(self, budget: int) -> float:
-        m = (self.misses + self.prior_weight * self.prior_miss) / (self.exposure + self.prior_weight)
-        return max(0.0, 1.0 - m * max(budget, 1) ** -RANKED_SLOPE)
+    def miss_scale(self, prior: float) -> float:
+        return (self.misses + self.prior_weight * prior) / (self.exposure + self.prior_weight)
 
 
 @dataclass
-class SSDTuner(_AcceptanceCounts):
+class RankedHits(_MissCounts):
+    """Ranked candidates' hit rate against the budget B: 1 - m * B^-RANKED_SLOPE. Engine-wide counts (prior
+    m = prior_miss) and one set per request whose prior is the engine-wide m, as `_RequestAcceptance`:
+    HumanEval's misses are ~0.05 at B = 1, MT-Bench's ~0.5, so a request's own rounds should set its B."""
+
+    prior_miss: float = 0.5
+    requests: dict[int, _MissCounts] = field(default_factory=dict)
+
+    def observe(self, budget: int, hit: bool, seq_id: int | None = None) -> None:
+        if budget <= 0:
+            return
+        self.count(budget, hit)
+        if seq_id is not None:
+            self.requests.setdefault(seq_id, _MissCounts(self.prior_weight, self.decay)).count(budget, hit)
+
+    def hit_rate(self, budget: int, seq_ids: Sequence[int] = ()) -> float:
+        """The batch's hit rate at budget B per request (the mean of its requests' own; engine-wide without ids)."""
+        m = self.miss_scale(self.prior_miss)
+        if seq_ids:
+            own = [self.requests[s].miss_scale(m) if s in self.requests else m for s in seq_ids]
+            m = sum(own) / len(own)
+        return max(0.0, 1.0 - m * max(budget, 1) ** -RANKED_SLOPE)
+
+    def forget(self, seq_id: int) -> None:
+        self.requests.pop(seq_id, None)
+
+
+@dataclass
+class SSDTuner(_RequestAcceptance):
     """SSD's draft length and fan-out budget, re-chosen every round like `KTuner`, with SSD's cost model
     (the next speculation must fit inside a verification to stay off the critical path). The outcome
     cache holds one round, and each request carries its own K and fan-out, so K may change between
@@ -135,10 +190,18 @@ class SSDTuner(_AcceptanceCounts):
         else:
             self.t_fixed = (1 - e) * self.t_fixed + e * fixed
 
-    def choose(self) -> tuple[int, int]:
-        return _choose_ssd(self.t_verify, self.t_chain, self.t_branch, self.acceptance,
-                           self.verify_scale, self.spec_scale, self.t_fixed,
-                           hit_rate=None if self.ranked is None else self.ranked.hit_rate, miss_scale=self.miss_scale)
+    def choose(self, seq_ids: Sequence[int] = ()) -> tuple[int, int]:
+        """(K, B) for the batch of `seq_ids` (engine-wide estimates without ids)."""
+        ranked = self.ranked
+        hit_rate = None if ranked is None else lambda b: ranked.hit_rate(b, seq_ids)
+        return _choose_ssd(self.t_verify, self.t_chain, self.t_branch, self.acceptance_of(seq_ids),
+                           self.verify_scale, self.spec_scale, self.t_fixed, hit_rate=hit_rate,
+                           miss_scale=self.miss_scale)
+
+    def forget(self, seq_id: int) -> None:
+        super().forget(seq_id)
+        if self.ranked is not None:
+            self.ranked.forget(seq_id)
 
 
 def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float) -> int:

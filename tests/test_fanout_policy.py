@@ -192,6 +192,33 @@ def test_ssd_tuner_grows_k_when_drafts_are_accepted_and_shrinks_it_when_not():
     assert tuner.choose()[0] == min(K_CHOICES)
 
 
+def test_tuners_follow_each_requests_own_acceptance():
+    """A request starts from the engine-wide estimate and its own rounds take over within a few rounds,
+    where the engine-wide counts still price the previous request's acceptance."""
+    from ssd.autoconfig import K_CHOICES, KTuner, SSDTuner
+
+    chain = {n: 0.010 + 0.001 * n for n in range(1, 40)}
+    branch = {n: 0.005 + 0.0005 * n for n in range(1, 40)}
+    for tuner in (KTuner(t_verify=CHEAP_VERIFY, t_draft1=0.02),
+                  SSDTuner(t_verify=CHEAP_VERIFY, t_chain=chain, t_branch=branch)):
+        def k_of(ids=(), tuner=tuner):
+            c = tuner.choose(ids)
+            return c if isinstance(c, int) else c[0]
+
+        for _ in range(30):  # request 1: every draft accepted
+            tuner.observe(k_of([1]), k_of([1]), seq_id=1)
+        assert k_of([1]) == k_of() == max(K_CHOICES)
+        assert k_of([2]) == k_of()  # a new request starts from what the engine saw
+        for _ in range(3):  # request 2 rejects its first token three rounds running
+            tuner.observe(k_of([2]), 0, seq_id=2)
+        assert tuner.acceptance_of([2]) < 0.6 < 0.9 < tuner.acceptance
+        assert k_of([2]) < k_of() == max(K_CHOICES)  # the engine-wide counts still price K = max
+        assert k_of([1]) == max(K_CHOICES)  # request 1 keeps its own estimate
+        assert tuner.acceptance_of([1]) > tuner.acceptance_of([1, 2]) > tuner.acceptance_of([2])
+        tuner.forget(2)
+        assert tuner.acceptance_of([2]) == tuner.acceptance and 2 not in tuner.requests
+
+
 def test_ssd_tuner_corrects_start_up_latencies_with_measured_rounds():
     from ssd.autoconfig import SSDTuner, spec_time
 

@@ -91,6 +91,22 @@ def test_ranked_hits_model():
     assert h.hit_rate(2) == before
 
 
+def test_ranked_hits_per_request():
+    """A request's hit rate starts at the engine-wide one and follows its own misses; a finished request's
+    counts go."""
+    h = RankedHits()
+    for _ in range(200):
+        h.observe(2, True, seq_id=1)
+    assert h.hit_rate(2, [2]) == h.hit_rate(2) > 0.94  # a new request: the engine-wide rate
+    for _ in range(4):
+        h.observe(2, False, seq_id=2)
+    assert h.hit_rate(2, [2]) < 0.6 < 0.8 < h.hit_rate(2)  # engine-wide: 4 misses among 204 rounds
+    assert h.hit_rate(2, [1]) > 0.94
+    assert h.hit_rate(2, [1]) > h.hit_rate(2, [1, 2]) > h.hit_rate(2, [2])
+    h.forget(2)
+    assert h.hit_rate(2, [2]) == h.hit_rate(2)
+
+
 def test_the_tuner_takes_a_small_budget_when_ranked_hits_are_cheap():
     t_verify = {n: 0.050 + 0.002 * n for n in range(1, 10)}
     t_chain = {n: 0.010 + 0.002 * n for n in range(1, 10)}

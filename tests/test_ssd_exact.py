@@ -67,8 +67,11 @@ def test_ssd_with_k_and_budget_retuned_every_round_is_exact(target, draft):
     exact = exact_continuation_probs(target, PROMPT, 3, params)
     with LLM(target=target, draft=draft, mode="ssd", backup="neural", saguaro_c=0.5, dtype="float32",
              max_batch=64, max_len=96) as llm:
-        assert llm.engine.mode.tuner is not None
+        tuner = llm.engine.mode.tuner
+        assert tuner is not None
         samples = sample_continuations(llm, PROMPT, 3, params, N_SAMPLES, 17)
+        assert tuner.successes + tuner.failures > 0 and tuner.ranked is None  # sampled rows: quotas
+        assert not tuner.requests  # per-request estimates go with their requests
     p = chi_square_pvalue(samples, exact, min_expected=10)
     assert p > 1e-3, f"chi-square p-value {p:.2e}"
 

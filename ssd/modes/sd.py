@@ -41,10 +41,15 @@ class SDMode(DraftBackedMode):
             self.draft.call("commit", o.seq_id, o.tokens)  # ordered on the draft's queue; no wait
         self._record(seqs, drafts, outcomes, "sd")
         if self.tuner is not None:
-            for d, o in zip(drafts, outcomes):
-                self.tuner.observe(len(d.tokens), o.num_accepted)
-            self.k = self.tuner.choose()
+            for s, d, o in zip(seqs, drafts, outcomes):
+                self.tuner.observe(len(d.tokens), o.num_accepted, s.seq_id)
+            self.k = self.tuner.choose([s.seq_id for s in seqs])
         return outcomes
+
+    def remove(self, seq: Sequence) -> None:
+        if self.tuner is not None:
+            self.tuner.forget(seq.seq_id)
+        super().remove(seq)
 
 
 class NgramMode(Mode):

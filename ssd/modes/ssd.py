@@ -108,6 +108,8 @@ class SSDMode(DraftBackedMode):
         self._lag.pop(seq.seq_id, None)
         self._rng.pop(seq.seq_id, None)
         self.planner.forget(seq.seq_id)
+        if self.tuner is not None:
+            self.tuner.forget(seq.seq_id)
         super().remove(seq)
 
     def prefill_cut(self, n_prompt: int) -> int | None:
@@ -270,10 +272,10 @@ class SSDMode(DraftBackedMode):
                     rate = self.cost.acceptance if d.q_kind != "point" else self.cost.fast_acceptance
                     rate.update(*acceptance_counts(len(d.tokens), o.num_accepted))
                 if self.tuner is not None and d.q_kind != "point":  # the neural draft's acceptance
-                    self.tuner.observe(len(d.tokens), o.num_accepted)
+                    self.tuner.observe(len(d.tokens), o.num_accepted, s.seq_id)
         if self.tuner is not None:
             # Drafts already prepared keep their length; requests from now on use the new K and B.
-            self.k, self.planner.B = self.tuner.choose()
+            self.k, self.planner.B = self.tuner.choose([s.seq_id for s in seqs])
             self.planner.K = self.k
         self._shadow_ngram(seqs, drafts, outcomes)
         self._record(seqs, drafts, outcomes, choice)
@@ -437,7 +439,7 @@ class SSDMode(DraftBackedMode):
             if s.seq_id in ranked:  # the quotas' power law does not describe ranked candidates
                 self.fanout_used[s.seq_id] = ranked[s.seq_id]
                 if self.tuner is not None and self.tuner.ranked is not None:
-                    self.tuner.ranked.observe(sum(req.fanout), r.hit)
+                    self.tuner.ranked.observe(sum(req.fanout), r.hit, s.seq_id)
             else:
                 fanout = self.fanout_used[s.seq_id]
                 self.planner.observe_hit(fanout[o.num_accepted] if o.num_accepted < len(fanout) else 0, r.hit)
