@@ -291,10 +291,16 @@ def test_ssd_with_auto_k_tunes_and_stays_exact(models, ar_outputs):
 
     with LLM(target=models[0], draft=models[0], mode="ssd", dtype="float32", max_batch=3, max_len=160) as llm:
         mode = llm.engine.mode
-        assert mode.tuner is not None
+        tuner = mode.tuner
+        assert tuner is not None
+        chosen = []  # (request ids, choice) of every round
+        choose = tuner.choose
+        tuner.choose = lambda ids=(): chosen.append((list(ids), choose(ids))) or chosen[-1][1]
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_outputs
-        assert mode.tuner.acceptance > 0.9  # draft == target: every draft accepted
-        assert (mode.k, mode.planner.B) == mode.tuner.choose()
+        assert tuner.acceptance > 0.9  # draft == target: every draft accepted
+        assert chosen and all(ids for ids, _ in chosen)  # every round chose for its own requests
+        assert (mode.k, mode.planner.B) == chosen[-1][1]  # and the mode took that choice
+        assert not tuner.requests  # finished requests' counts are gone
     with LLM(target=models[0], draft=models[1], mode="ssd", fanout=6, dtype="float32", max_len=160) as llm:
         assert llm.engine.mode.tuner is None  # a fan-out the user fixed keeps K fixed too
 
