@@ -38,7 +38,7 @@
 // decoding bit for bit. Build with -ffp-contract=off so the compiler cannot fuse differently in
 // different instantiations.
 //
-// The AVX-512 build runs two tiles at once in 512-bit vectors (tile2_dot) for products of 5 or more
+// The AVX-512 build runs two tiles at once in 512-bit vectors (tile2_dot) for products of 3 or more
 // rows (fewer: tile_dot, see tile_gemm_part), up to 8 activation rows per
 // pass: each lane does what tile_dot does for its row, so the bits are the same as the other builds'.
 // Its q8 rows take two blocks per vector (row_dot_q8_512), with the same integer sums and float steps.
@@ -285,16 +285,21 @@ constexpr int TILE_BLOCK_BYTES = FMT == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : 192
 template <int FMT>
 constexpr int SCALE_PARTS = FMT == FMT_Q6 ? 2 : 1;
 
-// Prefetch `pf` bytes ahead of block b in a tile's code stream w (tiles are contiguous, so this also warms
-// the next tile), and its scales (16 bytes per block and part: a line per part every 4 blocks) and q4
-// offsets. always_inline: as a function of its own, GCC's pure-const pass finds it has no side effects
+// Prefetch block b's codes `pf` bytes ahead in a tile's code stream w into L2 (tiles are contiguous, so this
+// also warms the next tile) and PF_L1 bytes ahead into L1, and its scales (16 bytes per block and part: a line
+// per part every 4 blocks) and q4 offsets into L1. Two distances because L1 (32-48 KiB) cannot hold 16 KiB of
+// prefetched codes next to the activations and the other streams: with one T0 prefetch 16 KiB ahead, lines
+// were evicted before use, and on the Zen 4 machine (session 27) the 1.5B's decode step took 1.17-1.37x as long
+// (0.5B: 1.2x; 4-token verification 1.1-1.3x; 8 tokens unchanged). always_inline: as a function of its own, GCC's pure-const pass finds it has no side effects
 // (prefetches count as none), marks it const and deletes every call, so the tile kernels ran without
 // software prefetch (8-row products of cold weights 1.6-2x slower; tests/test_kernel_codegen.py).
+constexpr int PF_L1 = 2048;
 template <int FMT>
 __attribute__((always_inline)) inline void prefetch_block(const uint8_t* w, const uint16_t* sc, const uint16_t* oc, int b, int pf) {
     constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
     const char* wb = reinterpret_cast<const char*>(w + static_cast<size_t>(b) * block_bytes);
-    for (int q = 0; q < block_bytes; q += 64) _mm_prefetch(wb + pf + q, _MM_HINT_T0);
+    for (int q = 0; q < block_bytes; q += 64) _mm_prefetch(wb + pf + q, _MM_HINT_T1);
+    for (int q = 0; q < block_bytes; q += 64) _mm_prefetch(wb + PF_L1 + q, _MM_HINT_T0);
     if (b % 4 == 0) {
         for (int q = 0; q < parts; ++q)
             _mm_prefetch(reinterpret_cast<const char*>(sc + b * parts * 8) + pf / 8 + 64 * q, _MM_HINT_T0);
@@ -509,9 +514,11 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
 
 // q4, q5, q6: tiles of 8 rows split between threads; thread t of nt computes its contiguous share of the
 // tiles. One tile at a time, up to 4 activation rows per pass (tile_dot), or in the AVX-512 build pairs
-// of tiles, up to 8 rows per pass (tile2_dot; an odd last tile goes alone) where a pass has 5 or more rows:
-// with fewer the pairs ran slower than single tiles (1.5B decode, 1 thread: 45.4 ms against 59.9; a pair
-// reads 6 streams where a single tile reads 3, and for K = 1536 each is only 6 KiB long).
+// of tiles, up to 8 rows per pass (tile2_dot; an odd last tile goes alone) where a pass has 3 or more rows:
+// with 1 or 2 the pairs ran slower than single tiles (1.5B decode, 1 thread: 45.4 ms against 59.9 in session
+// 18; 0.77x / 0.96x for 1 / 2 rows on the Zen 4 machine, session 27; a pair reads 6 streams where a single
+// tile reads 3, and for K = 1536 each is only 6 KiB long), with 3 or 4 faster once the codes were prefetched
+// into L2 as well (Zen 4: 1.5B 3- / 4-token forwards 1.18x / 1.21-1.28x, 0.5B 1.01x / 1.10x).
 template <int FMT>
 void single_tiles(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N,
                   int K, void* y, int y_bf16, int tile, int t1) {
@@ -524,8 +531,9 @@ void single_tiles(const uint8_t* w, const uint16_t* scale, const uint16_t* offse
         const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
         const int rows = N - 8 * tile < 8 ? N - 8 * tile : 8;
         for (int m0 = 0; m0 < M; m0 += RC) {
-            // The first pass streams the weights from memory. 16 KiB ahead: at 8 rows 0.89-0.91x the time of 8 KiB
-            // on the 1.5B (decode and the 0.5B within +-4 %); 32 KiB slowed decode steps.
+            // The first pass streams the weights from memory. 16 KiB ahead into L2 (then 2 KiB into L1,
+            // prefetch_block): at 8 rows 0.89-0.91x the time of 8 KiB on the 1.5B (decode and the 0.5B within
+            // +-4 %; measured before the L1 prefetch); 32 KiB slowed decode steps.
             const int pf = m0 == 0 ? 16384 : 0;
             switch (M - m0 < RC ? M - m0 : RC) {
                 case 1: tile_dot<FMT, 1>(wt, st, ot, a, m0, nb, part, pf); break;
@@ -594,7 +602,7 @@ void tile_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* off
     const int t0 = static_cast<int>(static_cast<int64_t>(tiles) * t / nt);
     const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (t + 1) / nt);
 #if SSD_TILE2
-    if (M >= 5) {
+    if (M >= 3) {
         tile_pairs<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, t0, t1);
         return;
     }
