@@ -516,7 +516,7 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
 // tiles. One tile at a time, up to 4 activation rows per pass (tile_dot), or in the AVX-512 build pairs
 // of tiles, up to 8 rows per pass (tile2_dot; an odd last tile goes alone) where a pass has 3 or more rows:
 // with 1 or 2 the pairs ran slower than single tiles (1.5B decode, 1 thread: 45.4 ms against 59.9 in session
-// 18; 0.77x / 0.96x for 1 / 2 rows on the Zen 4 machine, session 27; a pair reads 6 streams where a single
+// 19; 0.77x / 0.96x for 1 / 2 rows on the Zen 4 machine, session 27; a pair reads 6 streams where a single
 // tile reads 3, and for K = 1536 each is only 6 KiB long), with 3 or 4 faster once the codes were prefetched
 // into L2 as well (Zen 4: 1.5B 3- / 4-token forwards 1.18x / 1.21-1.28x, 0.5B 1.01x / 1.10x).
 template <int FMT>
