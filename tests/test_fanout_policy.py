@@ -284,6 +284,14 @@ def test_planner_plans_for_a_draft_of_another_length():
     assert len(long) == 7 and sum(long) == 14
 
 
+def record_choices(tuner) -> list:
+    """Wrap tuner.choose so each call appends (request ids, choice); returns that list."""
+    chosen: list = []
+    choose = tuner.choose
+    tuner.choose = lambda ids=(): chosen.append((list(ids), choose(ids))) or chosen[-1][1]
+    return chosen
+
+
 def test_ssd_with_auto_k_tunes_and_stays_exact(models, ar_outputs):
     from tiny_models import GREEDY, PROMPTS
 
@@ -293,9 +301,7 @@ def test_ssd_with_auto_k_tunes_and_stays_exact(models, ar_outputs):
         mode = llm.engine.mode
         tuner = mode.tuner
         assert tuner is not None
-        chosen = []  # (request ids, choice) of every round
-        choose = tuner.choose
-        tuner.choose = lambda ids=(): chosen.append((list(ids), choose(ids))) or chosen[-1][1]
+        chosen = record_choices(tuner)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_outputs
         assert tuner.acceptance > 0.9  # draft == target: every draft accepted
         assert chosen and all(ids for ids, _ in chosen)  # every round chose for its own requests
@@ -315,9 +321,7 @@ def test_sd_with_auto_k_tunes_and_stays_exact(models, ar_outputs):
         assert tuner is not None
         # The K chosen for each round's own requests (after they finish, choose() falls back to the
         # engine-wide counts, which may tip a near tie of measured times the other way).
-        chosen = []
-        choose = tuner.choose
-        tuner.choose = lambda ids=(): chosen.append((list(ids), choose(ids))) or chosen[-1][1]
+        chosen = record_choices(tuner)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_outputs
         assert tuner.acceptance > 0.9  # draft == target: every draft accepted
         assert chosen and all(ids for ids, _ in chosen)  # every round chose for its own requests

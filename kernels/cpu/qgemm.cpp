@@ -290,8 +290,8 @@ constexpr int SCALE_PARTS = FMT == FMT_Q6 ? 2 : 1;
 // per part every 4 blocks) and q4 offsets into L1. Two distances because L1 (32-48 KiB) cannot hold 16 KiB of
 // prefetched codes next to the activations and the other streams: with one T0 prefetch 16 KiB ahead, lines
 // were evicted before use, and on the Zen 4 machine (session 27) the 1.5B's decode step took 1.17-1.37x as long
-// (0.5B: 1.2x; 4-token verification 1.1-1.3x; 8 tokens unchanged). always_inline: as a function of its own, GCC's pure-const pass finds it has no side effects
-// (prefetches count as none), marks it const and deletes every call, so the tile kernels ran without
+// (0.5B: 1.2x; 4-token verification 1.1-1.3x; 8 tokens unchanged). always_inline: as a function of its own,
+// GCC's pure-const pass finds it has no side effects (prefetches count as none), marks it const and deletes every call, so the tile kernels ran without
 // software prefetch (8-row products of cold weights 1.6-2x slower; tests/test_kernel_codegen.py).
 constexpr int PF_L1 = 2048;
 template <int FMT>
