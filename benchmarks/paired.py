@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {name} {i} (pass {r}): {rates} decode tok/s{'' if same else '  OUTPUTS DIFFER'}",
                           flush=True)
         results["summary"] = summary(per_prompt, modes[0])
+        results["engine_stats"] = {m: llms[m].stats() for m in modes}
         results["seconds"] = round(time.perf_counter() - t0, 1)
     finally:
         for llm in llms.values():
@@ -151,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     for m, s in results["summary"].items():
         print(f"| {m} | {s['decode_tokens_per_s']} | {s['vs_base_geomean']}x | {s['vs_base_total']}x "
               f"| {s.get('hit_rate', '')} |")
+    for m, st in results["engine_stats"].items():
+        if st["verify_price_error"]:  # the policy's modes: how far its verification prices were off
+            errors = ", ".join(f"{w} {e:.1%}" for w, e in st["verify_price_error"].items())
+            print(f"{m}: mean verification price error {errors}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

@@ -266,8 +266,8 @@ def autoconfigure(
     ns = sorted({k + 1 for k in K_CHOICES})
     t_verify = {n: target.call("time_forward", n).result() for n in [1, *ns]}  # n = 1: the policy's AR price
     t_borrowed = None
-    if borrow:  # the target on the draft's cores too: one decode step and the longest verification
-        t_borrowed = {n: target.call("time_forward", n, borrow=True).result() for n in (1, ns[-1])}
+    if borrow:  # the target on the draft's cores too, at the same n: the curve's shape differs from the own one's
+        t_borrowed = {n: target.call("time_forward", n, borrow=True).result() for n in t_verify}
     t_chain = {n: draft.call("time_forward", n).result() for n in ns}
     draft_share = None
     if draft_borrow:  # the draft on the target's cores too: one draft step and the longest chain

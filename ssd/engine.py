@@ -165,4 +165,5 @@ class Engine:
             "cache_hits_per_k": dict(sorted(st.hits_per_k.items())),
             "cache_misses_per_k": dict(sorted(st.misses_per_k.items())),
             "policy": dict(st.policy),
+            "verify_price_error": {w: st.price_error[w] / n for w, n in st.priced.items()},
         }

@@ -51,20 +51,17 @@ def fit_line(t: dict[int, float]) -> tuple[float, float]:
     return t[1] - slope, slope
 
 
-def line_time(v0: Ema, v1: Ema, n_tokens: int) -> float:
-    return max(v0.value + v1.value * n_tokens, 1e-6)
-
-
-def observe_line(v0: Ema, v1: Ema, n_tokens: int, seconds: float) -> None:
-    """Half the residual to the intercept; the slope only moves for n > 1 (one-token rounds say nothing
-    about it). An observation counts for at most OUTLIER_CAP times the prediction: a request's first
-    verifications ran 3-4x their line on the real pair and lifted the borrowed decode step's price from 32
-    to 58 ms for good (AR and SD were never tried again to bring it back)."""
-    predicted = line_time(v0, v1, n_tokens)
-    err = min(seconds, OUTLIER_CAP * predicted) - predicted
-    v0.update(v0.value + 0.5 * err)
-    if n_tokens > 1:
-        v1.update(max(0.0, v1.value + 0.5 * err / n_tokens))
+def interpolate(knots: dict[int, float], n: int) -> float:
+    """Piecewise-linear through `knots` (n -> value), held at the end knots' values outside them."""
+    if not knots:
+        return 0.0
+    ns = sorted(knots)
+    if n <= ns[0]:
+        return knots[ns[0]]
+    for lo, hi in zip(ns, ns[1:]):
+        if n <= hi:
+            return knots[lo] + (knots[hi] - knots[lo]) * (n - lo) / (hi - lo)
+    return knots[ns[-1]]
 
 
 @dataclass
@@ -117,11 +114,45 @@ def acceptance_counts(drafted: int, accepted: int) -> tuple[int, int]:
 
 
 @dataclass
-class CostModel:
-    """Online estimates, all in seconds. Verification: t_v(n) = v0 + v1 * n for n scored tokens."""
+class VerifyLine:
+    """Seconds of a forward scoring n tokens: v0 + v1 * n, plus `bend`, the start-up measurement's
+    residuals from that line at the measured n (interpolated between them). The intercept and slope follow
+    the rounds; the bend keeps the curve's measured shape, which a line misprices: with the AVX-512 tile
+    kernels' pairs from 3 rows the 1.5B's forwards took 35.7 / 35.8 / 43.1 / 72.5 ms at 1 / 2 / 4 / 8 tokens
+    (session 27), and the least-squares line through the first priced 4 tokens 21 % high."""
 
-    v0: Ema = field(default_factory=lambda: Ema(0.05))
-    v1: Ema = field(default_factory=lambda: Ema(0.002))
+    v0: Ema
+    v1: Ema
+    bend: dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def fit(cls, t: dict[int, float]) -> VerifyLine:
+        """Through every measured point exactly (n = 1 and at least one more); one observation's weight."""
+        intercept, slope = fit_line(t)
+        return cls(Ema(intercept, n=1), Ema(slope, n=1), {n: t[n] - (intercept + slope * n) for n in t})
+
+    def time(self, n_tokens: int) -> float:
+        return max(self.v0.value + self.v1.value * n_tokens + interpolate(self.bend, n_tokens), 1e-6)
+
+    def observe(self, n_tokens: int, seconds: float) -> float:
+        """Half the residual to the intercept; the slope only moves for n > 1 (one-token rounds say nothing
+        about it). An observation counts for at most OUTLIER_CAP times the prediction: a request's first
+        verifications ran 3-4x their line on the real pair and lifted the borrowed decode step's price from
+        32 to 58 ms for good (AR and SD were never tried again to bring it back). Returns the prediction's
+        error relative to `seconds` (before the update)."""
+        predicted = self.time(n_tokens)
+        err = min(seconds, OUTLIER_CAP * predicted) - predicted
+        self.v0.update(self.v0.value + 0.5 * err)
+        if n_tokens > 1:
+            self.v1.update(max(0.0, self.v1.value + 0.5 * err / n_tokens))
+        return abs(predicted - seconds) / seconds if seconds > 0 else 0.0
+
+
+@dataclass
+class CostModel:
+    """Online estimates, all in seconds."""
+
+    verify: VerifyLine = field(default_factory=lambda: VerifyLine(Ema(0.05), Ema(0.002)))  # on the target's cores
     # A just-in-time draft of k steps: t_d(k) = draft_call + k * draft_step. The intercept takes what a call
     # costs besides its forwards (the RPC, the core loan's switch): fitted as dt / k, it made one-token
     # drafts look 1.5x dearer per step and kept auto's SD rounds at k = 1 (session 17).
@@ -153,10 +184,10 @@ class CostModel:
     # twice (SSD priced 35 % high after a prose dip, long after the hit rate itself had caught up).
     calibration: dict[str, RateEma] = field(default_factory=dict)
     # Where the target may borrow the draft's cores (CPU, mode="auto"): verification on both, a line of its
-    # own (intercept, slope) for the options that leave the draft idle (AR, SD, n-gram). None: no
-    # borrowing. A share of the own line misprices both ends: on the real pair borrowing made a decode
-    # step 0.94x and a 6-token verification 0.64x, so their mean share priced AR 16 % cheap.
-    borrow: tuple[Ema, Ema] | None = None
+    # own for the options that leave the draft idle (AR, SD, n-gram). None: no borrowing. A share of the
+    # own line misprices both ends: on the real pair borrowing made a decode step 0.94x and a 6-token
+    # verification 0.64x, so their mean share priced AR 16 % cheap.
+    borrow: VerifyLine | None = None
     # Where the draft may borrow the target's cores for just-in-time drafts: a draft forward on both as a
     # share of one on its own (measured at start-up). draft_step is then observed on both cores already;
     # this prices the backlog those drafts feed, which `feed` measures on the draft's own cores.
@@ -169,15 +200,15 @@ class CostModel:
         """Start from latencies measured at start-up instead of the generic defaults (each counts as one
         observation, so rounds refine it). t_verify: seconds per forward of n tokens, n = 1 included.
 
-        The line goes through the one-token time, so AR is priced exactly, with the least-squares slope
-        of all points: a CPU's verification cost grows ~30-60 ms per token, against the 2 ms default,
-        which made n-gram rounds of K+1 mostly rejected tokens look nearly as cheap as AR."""
-        intercept, slope = fit_line(t_verify)
+        The verification line goes through every measured point (VerifyLine.fit): a CPU's verification
+        cost grows ~30-60 ms per token, against the 2 ms default, which made n-gram rounds of K+1 mostly
+        rejected tokens look nearly as cheap as AR."""
+        self.verify = VerifyLine.fit(t_verify)
         # A measured step seeds the intercept at 0 as one observation too: unseeded, the first just-in-time
         # draft set it alone, and a request's first draft (here 50 ms for one step) kept SD priced out.
         call = None if draft_step is None else 0.0
-        for ema, value in ((self.v1, slope), (self.v0, intercept), (self.draft_step, draft_step),
-                           (self.draft_call, call), (self.speculate, speculate), (self.feed, feed)):
+        for ema, value in ((self.draft_step, draft_step), (self.draft_call, call), (self.speculate, speculate),
+                           (self.feed, feed)):
             if value is not None:
                 ema.value, ema.n = value, 1
 
@@ -244,14 +275,15 @@ class CostModel:
         measured at start-up (n = 1 and at least one more), fitted as seed() fits the own line; without
         it, `share` times the own line. Either counts as one observation."""
         if t_borrowed is not None:
-            v0, v1 = fit_line(t_borrowed)
+            self.borrow = VerifyLine.fit(t_borrowed)
         else:
-            v0, v1 = share * self.v0.value, share * self.v1.value
-        self.borrow = (Ema(v0, n=1), Ema(v1, n=1))
+            own = self.verify
+            self.borrow = VerifyLine(Ema(share * own.v0.value, n=1), Ema(share * own.v1.value, n=1),
+                                     {n: share * b for n, b in own.bend.items()})
 
     def lent_verify_time(self, n_tokens: int) -> float:
         """Seconds of a verification the target may run on borrowed cores (AR, SD, n-gram rounds)."""
-        return self.verify_time(n_tokens) if self.borrow is None else line_time(*self.borrow, n_tokens)
+        return self.verify_time(n_tokens) if self.borrow is None else self.borrow.time(n_tokens)
 
     def borrow_factor(self, n_tokens: int = 1) -> float:
         """Borrowed / own verification time at n tokens (1.0 without borrowing)."""
@@ -277,17 +309,16 @@ class CostModel:
         return lag * self.feed.value * (self.draft_lend if lent else 1.0)
 
     def verify_time(self, n_tokens: int) -> float:
-        return line_time(self.v0, self.v1, n_tokens)
+        return self.verify.time(n_tokens)
 
-    def observe_verify(self, n_tokens: int, seconds: float, borrowed: bool = False) -> None:
+    def observe_verify(self, n_tokens: int, seconds: float, borrowed: bool = False) -> float:
         """A verification of n_tokens took `seconds`; `borrowed`: on the draft's cores too, which moves
-        the borrowed line, not the own one."""
+        the borrowed line, not the own one. Returns the price's relative error (VerifyLine.observe)."""
         if borrowed:
             if self.borrow is None:
                 raise ValueError("a borrowed verification without enable_borrow()")
-            observe_line(*self.borrow, n_tokens, seconds)
-            return
-        observe_line(self.v0, self.v1, n_tokens, seconds)
+            return self.borrow.observe(n_tokens, seconds)
+        return self.verify.observe(n_tokens, seconds)
 
 
 def expected_tokens(a: float, k: int) -> float:

@@ -11,7 +11,7 @@ from tiny_models import GREEDY, PROMPTS, random_model
 from ssd import LLM
 from ssd.config import Config
 from ssd.launch.placement import plan_placement
-from ssd.policy import CostModel, Ema, RateEma, choose, expected_tokens
+from ssd.policy import CostModel, Ema, RateEma, VerifyLine, choose, expected_tokens
 from ssd.workers.base import CoreLoan
 from ssd.workers.draft_worker import DraftWorker
 from ssd.workers.messages import Draft, SamplingSpec
@@ -126,7 +126,7 @@ def test_a_borrowed_draft_proposes_on_both_cores_with_the_same_tokens_and_q(rest
 
 def test_policy_prices_rounds_that_leave_the_draft_idle_on_borrowed_cores():
     c = CostModel()
-    c.v0, c.v1 = Ema(0.10), Ema(0.02)
+    c.verify = VerifyLine(Ema(0.10), Ema(0.02))
     c.speculate, c.draft_step = Ema(0.05), Ema(0.04)
     c.hit_full = c.hit_partial = c.hit_after_neural = c.hit_after_fast = RateEma(0.9)
     c.acceptance = RateEma(0.7)
@@ -139,9 +139,10 @@ def test_policy_prices_rounds_that_leave_the_draft_idle_on_borrowed_cores():
     # SSD (~0.19 s per 2.5 tokens) beats AR on the target's own core (0.12 s per token), not on two (0.06).
     assert min(own, key=own.get).startswith("ssd") and best == "ar"
     # A borrowed verification moves the borrowed line, not the own one.
-    line = (c.v0.value, c.v1.value)
+    line = (c.verify.v0.value, c.verify.v1.value)
     c.observe_verify(4, 0.18 * 0.6, borrowed=True)
-    assert (c.v0.value, c.v1.value) == line and 0.5 < c.borrow_factor() < 0.6 and 0.5 < c.borrow_factor(4) < 0.6
+    assert (c.verify.v0.value, c.verify.v1.value) == line
+    assert 0.5 < c.borrow_factor() < 0.6 and 0.5 < c.borrow_factor(4) < 0.6
     with pytest.raises(ValueError, match="enable_borrow"):
         CostModel().observe_verify(4, 0.1, borrowed=True)
 
@@ -273,7 +274,7 @@ def test_policy_prices_the_draft_backlog_of_borrowed_rounds():
     from ssd.policy import SWITCH_HORIZON
 
     c = CostModel()
-    c.v0, c.v1, c.feed = Ema(0.10), Ema(0.02), Ema(0.004)
+    c.verify, c.feed = VerifyLine(Ema(0.10), Ema(0.02)), Ema(0.004)
     c.enable_borrow(0.5)
     _, base = choose(c, 1, 3, prepared=0.0)
     best, lagged = choose(c, 1, 3, prepared=0.0, lag=50)
@@ -300,7 +301,7 @@ def test_a_backlog_is_spread_over_the_rest_of_the_request():
     from ssd.policy import RATE_ALPHA, SWITCH_HORIZON, RateEma
 
     c = CostModel()
-    c.v0, c.v1, c.feed = Ema(0.10), Ema(0.02), Ema(0.004)
+    c.verify, c.feed = VerifyLine(Ema(0.10), Ema(0.02)), Ema(0.004)
     c.acceptance = RateEma(0.8, RATE_ALPHA)
     c.enable_borrow(0.5)
     best_base, base = choose(c, 1, 3, prepared=0.0)
@@ -322,7 +323,7 @@ def test_tokens_of_rounds_that_leave_the_draft_unfed_carry_their_later_feed():
     from ssd.policy import RATE_ALPHA, RateEma
 
     c = CostModel()
-    c.v0, c.v1, c.feed = Ema(0.10), Ema(0.02), Ema(0.010)
+    c.verify, c.feed = VerifyLine(Ema(0.10), Ema(0.02)), Ema(0.010)
     c.acceptance = RateEma(0.65, RATE_ALPHA)
     c.enable_borrow(0.5)
     c.draft_lend = 0.5
@@ -348,7 +349,7 @@ def test_sd_rounds_that_fed_a_backlog_calibrate_without_it():
 
     def mode(choice: str, lag: int) -> SimpleNamespace:
         c = CostModel()
-        c.v0, c.v1, c.feed, c.draft_lend = Ema(0.10), Ema(0.02), Ema(0.004), 0.5
+        c.verify, c.feed, c.draft_lend = VerifyLine(Ema(0.10), Ema(0.02)), Ema(0.004), 0.5
         return SimpleNamespace(last_choice=choice, last_scores=dict.fromkeys(("sd", "ssd_neural"), 1.0), _prepared=1.0,
                                _round_lag=lag, cost=c, _sd_k=3, _round_k=3, _ngram_k=3, _missed=0.0)
 
@@ -480,7 +481,7 @@ def test_extend_refuses_what_is_not_a_prompt_piece():
 def test_prefill_cut_follows_the_measured_costs(models):
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=1, max_len=64) as llm:
         mode = llm.engine.mode
-        mode.cost.feed, mode.cost.v1 = Ema(0.005, n=1), Ema(0.02, n=1)
+        mode.cost.feed, mode.cost.verify.v1 = Ema(0.005, n=1), Ema(0.02, n=1)
         assert mode.prefill_cut(200) is None  # not borrowing
         mode.borrow = True
         assert mode.prefill_cut(200) == 50  # the draft's prefill takes as long as a quarter of the target's
@@ -504,7 +505,7 @@ def test_auto_prefills_the_rest_of_a_prompt_on_borrowed_cores_and_stays_exact(mo
     cycle_policy(monkeypatch, ["ngram", "ar", "ssd_neural", "sd"])
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=128) as llm:
         mode = lend_cores(llm)
-        mode.cost.feed, mode.cost.v1 = Ema(0.004, n=1), Ema(0.012, n=1)
+        mode.cost.feed, mode.cost.verify.v1 = Ema(0.004, n=1), Ema(0.012, n=1)
         calls: list[tuple[str, tuple]] = []
         real = mode.target.call
 

@@ -7,7 +7,7 @@ import pytest
 
 from ssd import policy
 from ssd.fanout import FanoutPlanner, expected_hit_rate, geometric_fanout, geometric_weights, round_keep_sum
-from ssd.policy import CostModel, Ema, choose, expected_tokens, round_seconds
+from ssd.policy import CostModel, Ema, VerifyLine, choose, expected_tokens, round_seconds
 
 
 def test_geometric_formula_values():
@@ -82,7 +82,7 @@ def test_explicit_fanout_validated():
 
 def costs(v0, v1, draft_step, speculate, a, p_hit, a_fast=0.2):
     c = CostModel()
-    c.v0, c.v1 = Ema(v0), Ema(v1)
+    c.verify = VerifyLine(Ema(v0), Ema(v1))
     c.draft_step, c.speculate = Ema(draft_step), Ema(speculate)
     c.acceptance, c.fast_acceptance = Ema(a), Ema(a_fast)
     # the same hit rate whatever the acceptance and the draft verified
@@ -360,7 +360,17 @@ def test_auto_starts_from_the_measured_latencies():
     with LLM(target=random_model(vocab=40, layers=2, seed=3), draft=random_model(vocab=40, layers=1, seed=4),
              mode="auto", dtype="float32", max_batch=1, max_len=128) as llm:
         cost = llm.engine.mode.cost
-        assert min(cost.v0.n, cost.v1.n, cost.draft_step.n, cost.speculate.n) == 1  # seeded, no round run yet
+        # seeded, no round run yet
+        assert min(cost.verify.v0.n, cost.verify.v1.n, cost.draft_step.n, cost.speculate.n) == 1
+        assert set(cost.verify.bend) == set(llm.engine.mode.tuner.t_verify)  # every measured point priced as measured
+        from ssd.sampling_params import SamplingParams
+
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=12))
+        stats, rounds = llm.engine.mode.stats, llm.engine.mode.stats.rounds
+        # Every round's verification was priced, and the mean error is reported.
+        assert rounds > 0 and sum(stats.priced.values()) == rounds
+        assert set(llm.stats()["verify_price_error"]) == set(stats.priced) and all(
+            e > 0 for e in llm.stats()["verify_price_error"].values())
 
 
 def test_measured_round_times_correct_the_modelled_prices():
@@ -477,7 +487,7 @@ def test_plain_sd_option_prices_and_drafts_its_own_length():
     from ssd.policy import best_sd_len
 
     c = CostModel()
-    c.v0, c.v1, c.draft_step = Ema(0.05), Ema(0.004), Ema(0.006)
+    c.verify, c.draft_step = VerifyLine(Ema(0.05), Ema(0.004)), Ema(0.006)
     c.acceptance = policy.RateEma(0.85)
 
     def per_token(k: int) -> float:
@@ -492,7 +502,7 @@ def test_plain_sd_option_prices_and_drafts_its_own_length():
     c.draft_step, c.acceptance = Ema(0.05), policy.RateEma(0.4)  # slow, rarely accepted drafts: short ones
     assert best_sd_len(c, 0.4, 1, 8) < 3
     c.enable_borrow(0.5)  # cheaper verification on borrowed cores moves the balance towards longer drafts
-    assert best_sd_len(c, 0.4, 1, 8) >= best_sd_len(CostModel(v0=c.v0, v1=c.v1, draft_step=c.draft_step), 0.4, 1, 8)
+    assert best_sd_len(c, 0.4, 1, 8) >= best_sd_len(CostModel(verify=c.verify, draft_step=c.draft_step), 0.4, 1, 8)
 
 
 @pytest.mark.parametrize("fixed_k", [None, 3])
@@ -540,9 +550,9 @@ def test_just_in_time_drafts_fit_a_line_so_one_step_drafts_do_not_inflate_the_st
     assert c.draft_time(4) == pytest.approx(0.090, rel=0.05) and c.draft_time(1) == pytest.approx(0.025, rel=0.15)
     assert c.draft_time(0) == 0.0
     # Priced as a line, the one-step overhead no longer makes every extra step look as dear as the first.
-    c.v0, c.v1 = Ema(0.05), Ema(0.004)
+    c.verify = VerifyLine(Ema(0.05), Ema(0.004))
     c.draft_step, c.draft_call = Ema(0.015), Ema(0.010)
-    per_step_only = CostModel(v0=c.v0, v1=c.v1, draft_step=Ema(0.025))
+    per_step_only = CostModel(verify=c.verify, draft_step=Ema(0.025))
     assert policy.best_sd_len(c, 0.8, 1, 8) > policy.best_sd_len(per_step_only, 0.8, 1, 8)
 
 

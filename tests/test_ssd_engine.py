@@ -131,12 +131,12 @@ def test_ssd_explicit_and_budget_fanout(models, ar_outputs, fanout):
 
 
 def test_ngram_rounds_speculate_only_on_short_drafts_that_fit(models):
-    from ssd.policy import Ema
+    from ssd.policy import Ema, VerifyLine
     from ssd.workers.messages import Draft
 
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=64) as llm:
         mode = llm.engine.mode
-        mode.cost.v0, mode.cost.v1 = Ema(0.1), Ema(0.02)  # verifying n tokens: 0.1 + 0.02 n seconds
+        mode.cost.verify = VerifyLine(Ema(0.1), Ema(0.02))  # verifying n tokens: 0.1 + 0.02 n seconds
         short, long = [Draft(seq_id=0, tokens=[1, 2, 3])], [Draft(seq_id=0, tokens=[1] * 4)]
         mode.cost.speculate = Ema(0.15)
         assert mode._speculate_on_ngram(short) and not mode._speculate_on_ngram(long)  # longer than K

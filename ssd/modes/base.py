@@ -25,6 +25,15 @@ class RoundStats:
     policy: Counter = field(default_factory=Counter)
     hits_per_k: Counter = field(default_factory=Counter)
     misses_per_k: Counter = field(default_factory=Counter)
+    # The policy's verification prices against the measured times: |predicted - measured| / measured
+    # summed over verifications, and their count (own cores / borrowed cores apart).
+    price_error: Counter = field(default_factory=Counter)
+    priced: Counter = field(default_factory=Counter)
+
+    def observe_price(self, error: float, borrowed: bool) -> None:
+        where = "borrowed" if borrowed else "own"
+        self.price_error[where] += error
+        self.priced[where] += 1
 
 
 class Mode:

@@ -122,8 +122,8 @@ class SSDMode(DraftBackedMode):
             return None
         if self.prefill_ratio.n:
             ratio = self.prefill_ratio.value
-        elif self.cost.feed.n and self.cost.v1.n and self.cost.v1.value > 0:
-            ratio = self.cost.feed.value / self.cost.v1.value
+        elif self.cost.feed.n and self.cost.verify.v1.n and self.cost.verify.v1.value > 0:
+            ratio = self.cost.feed.value / self.cost.verify.v1.value
         else:
             return None
         return min(max(round(n_prompt * ratio), 1), n_prompt - 1)
@@ -311,7 +311,8 @@ class SSDMode(DraftBackedMode):
     def _timed_verify(self, drafts: list[Draft], q_draft: list, borrow: bool = False) -> list[Outcome]:
         t0 = time.perf_counter()
         outcomes = self._verify(drafts, q_draft, borrow)
-        self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), time.perf_counter() - t0, borrowed=borrow)
+        error = self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), time.perf_counter() - t0, borrow)
+        self.stats.observe_price(error, borrow)
         return outcomes
 
     def _commit(self, o: Outcome, feed_ahead: bool, idle: bool) -> None:
@@ -397,7 +398,7 @@ class SSDMode(DraftBackedMode):
         outcomes = fut_v.result()  # a target failure propagates: it fails the batch with its error
         t_verify = time.perf_counter() - t0
         self.stats.verify_s += t_verify
-        self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), t_verify)
+        self.stats.observe_price(self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), t_verify), False)
         t1 = time.perf_counter()
         try:
             info = fut_s.result()
