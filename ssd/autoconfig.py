@@ -264,23 +264,23 @@ def autoconfigure(
     target: WorkerHandle, draft: WorkerHandle, ssd: bool, borrow: bool = False, draft_borrow: bool = False
 ) -> AutoConfig:
     ns = sorted({k + 1 for k in K_CHOICES})
-    t_verify = {n: target.call("time_forward", n).result() for n in [1, *ns]}  # n = 1: the policy's AR price
+    t_verify = target.call("time_forwards", [1, *ns]).result()  # n = 1: the policy's AR price
     t_borrowed = None
     if borrow:  # the target on the draft's cores too, at the same n: the curve's shape differs from the own one's
-        t_borrowed = {n: target.call("time_forward", n, borrow=True).result() for n in t_verify}
-    t_chain = {n: draft.call("time_forward", n).result() for n in ns}
+        t_borrowed = target.call("time_forwards", [1, *ns], borrow=True).result()
+    t_chain = draft.call("time_forwards", [1, *ns]).result()
+    t_step = t_chain.pop(1)  # one draft step; the chain's own prices start at the shortest verification
     draft_share = None
     if draft_borrow:  # the draft on the target's cores too: one draft step and the longest chain
-        own = {1: draft.call("time_forward", 1).result(), ns[-1]: t_chain[ns[-1]]}
-        shares = [draft.call("time_forward", n, borrow=True).result() / t for n, t in own.items()]
-        draft_share = sum(shares) / len(shares)
+        lent = draft.call("time_forwards", [1, ns[-1]], borrow=True).result()
+        draft_share = (lent[1] / t_step + lent[ns[-1]] / t_chain[ns[-1]]) / 2
     sizes = sorted({b for k in K_CHOICES for b in budgets(k)})
-    t_branch = {n: draft.call("time_forward", n, 128, True).result() for n in sizes} if ssd else {1: t_chain[ns[0]]}
+    t_branch = draft.call("time_forwards", sizes, 128, True).result() if ssd else {1: t_chain[ns[0]]}
     t_draft1 = 0.0
     if ssd:
         k, b = _choose_ssd(t_verify, t_chain, t_branch, PRIOR_ACCEPTANCE)
     else:  # one draft step feeds plain SD's choice (and its per-round KTuner); SSD does not use it
-        t_draft1 = draft.call("time_forward", 1).result()
+        t_draft1 = t_step
         k, b = _choose_sd(t_verify, t_draft1, PRIOR_ACCEPTANCE), 0
     log.info("auto-config: k=%d budget=%d (verify %s ms)", k, b,
              {n: round(t * 1e3, 1) for n, t in t_verify.items()})

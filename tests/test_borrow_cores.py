@@ -89,6 +89,31 @@ def test_borrowing_without_spare_cores_is_an_error():
     assert worker.info()["borrow_threads"] == 0
 
 
+def test_time_forwards_prefills_once_and_goes_round_the_token_counts():
+    worker = TargetWorker(random_model(vocab=40, layers=1), dtype="float32", max_slots=1, max_len=64)
+    fed: list[tuple[int, bool]] = []
+    forward = worker.runner.forward
+
+    def spy(slots, tokens, parents=None, **kwargs):
+        fed.append((len(tokens[0]), parents is not None))
+        return forward(slots, tokens, parents, **kwargs)
+
+    worker.runner.forward = spy
+    t = worker.time_forwards([1, 3, 5], context=16, reps=2)
+    assert set(t) == {1, 3, 5} and all(v > 0 for v in t.values())
+    # One prefill of the context, then 3 rounds over the n's (the first one a warm-up).
+    assert fed == [(16, False)] + [(1, False), (3, False), (5, False)] * 3
+    assert worker.num_free_slots() == 1  # the timing slot is freed
+    fed.clear()
+    assert set(worker.time_forwards([4], context=16, tree=True, reps=1)) == {4}
+    assert fed == [(16, False), (4, True), (4, True)]  # n siblings of the context
+    assert worker.num_free_slots() == 1
+    with pytest.raises(ValueError, match="token counts"):
+        worker.time_forwards([0, 2])
+    with pytest.raises(ValueError, match="no cores to borrow"):
+        worker.time_forwards([1], borrow=True)
+
+
 def test_placement_lends_cores_both_ways_only_in_auto():
     cores = [0, 1]
     plan = plan_placement(Config(target="t", draft="d", mode="auto"), cores)
@@ -367,18 +392,18 @@ def test_sd_rounds_that_fed_a_backlog_calibrate_without_it():
 
 
 class TimedHandle:
-    """A worker handle whose time_forward answers from a formula (seconds), halved on borrowed cores."""
+    """A worker handle whose time_forwards answers from a formula (seconds), halved on borrowed cores."""
 
     def __init__(self, per_token: float, fixed: float) -> None:
         self.per_token, self.fixed, self.borrowed = per_token, fixed, []
 
-    def call(self, method, n, context=128, tree=False, reps=3, borrow=False):
+    def call(self, method, ns, context=128, tree=False, reps=3, borrow=False):
         from concurrent.futures import Future
 
-        assert method == "time_forward"
+        assert method == "time_forwards"
         self.borrowed.append(borrow)
         f: Future = Future()
-        f.set_result((self.fixed + self.per_token * n) * (0.5 if borrow else 1.0))
+        f.set_result({n: (self.fixed + self.per_token * n) * (0.5 if borrow else 1.0) for n in ns})
         return f
 
 

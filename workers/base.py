@@ -194,16 +194,19 @@ class ModelWorker:
         if st is not None:
             self.runner.free(st.slot)
 
-    def time_forward(
-        self, n_tokens: int, context: int = 128, tree: bool = False, reps: int = 3, borrow: bool = False
-    ) -> float:
-        """Median seconds of one forward scoring n_tokens after a context (a chain, or n siblings);
-        `borrow`: on borrowed cores too (see `loan`).
+    def time_forwards(
+        self, ns: list[int], context: int = 128, tree: bool = False, reps: int = 3, borrow: bool = False
+    ) -> dict[int, float]:
+        """Median seconds of one forward scoring n tokens after a context (a chain, or n siblings), for
+        each n in `ns`; `borrow`: on borrowed cores too (see `loan`).
 
-        Used to auto-configure K and the fan-out budget from this device's real latencies.
+        Used to auto-configure K, the fan-out budget and the policy's prices from this device's real
+        latencies. The context is prefilled once for all n (a 128-token prefill of the 1.5B on one core
+        takes longer than all its timed forwards), and the repetitions go round the n's, so a drift of
+        the machine's speed moves every n alike instead of bending the measured curve.
         """
         with self._cores(borrow):
-            return self._time_forward(n_tokens, context, tree, reps)
+            return self._time_forwards(ns, context, tree, reps)
 
     def _cores(self, borrow: bool) -> contextlib.AbstractContextManager:
         if not borrow:
@@ -212,24 +215,27 @@ class ModelWorker:
             raise ValueError("this worker has no cores to borrow (spare_cores not given)")
         return self.loan.borrowed()
 
-    def _time_forward(self, n_tokens: int, context: int, tree: bool, reps: int) -> float:
+    def _time_forwards(self, ns: list[int], context: int, tree: bool, reps: int) -> dict[int, float]:
         import time
 
-        context = max(1, min(context, self.runner.max_len - n_tokens - 1))
+        if not ns or min(ns) < 1:
+            raise ValueError(f"time_forwards needs token counts >= 1, got {ns}")
+        context = max(1, min(context, self.runner.max_len - max(ns) - 1))
         slot = self.runner.allocate()
         try:
             ctx = [i % self.config.vocab_size for i in range(context)]
             self.runner.forward([slot], [ctx], last_only=True)
-            times = []
-            for _ in range(reps + 1):
-                self.runner.truncate(slot, context)
-                toks = [[(7 * i) % self.config.vocab_size for i in range(n_tokens)]]
-                t0 = time.perf_counter()
-                self.runner.forward([slot], toks, parents=[[-1] * n_tokens] if tree else None)
-                if self.runner.device.type == "cuda":
-                    torch.cuda.synchronize(self.runner.device)
-                times.append(time.perf_counter() - t0)
-            return sorted(times[1:])[len(times[1:]) // 2]
+            times: dict[int, list[float]] = {n: [] for n in ns}
+            for _ in range(reps + 1):  # the first round warms up and is dropped
+                for n in ns:
+                    self.runner.truncate(slot, context)
+                    toks = [[(7 * i) % self.config.vocab_size for i in range(n)]]
+                    t0 = time.perf_counter()
+                    self.runner.forward([slot], toks, parents=[[-1] * n] if tree else None)
+                    if self.runner.device.type == "cuda":
+                        torch.cuda.synchronize(self.runner.device)
+                    times[n].append(time.perf_counter() - t0)
+            return {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
         finally:
             self.runner.free(slot)
 
