@@ -243,6 +243,28 @@ def test_fused_projection_equals_separate():
     assert concat_block_linears([parts[0], W8A8Linear.from_float(torch.randn(8, 96))]) is None
 
 
+@pytest.mark.parametrize("cls", [W4A8Linear, W5A8Linear, W6A8Linear])
+@pytest.mark.parametrize("sizes", [(16, 8, 13), (13, 8), (8, 5, 3)])
+def test_fused_tiled_layers_equal_the_layer_packed_from_their_codes(cls, sizes):
+    """Parts filling whole tiles stack their packed tiles as they are; a part ending inside a tile (not
+    the last) is repacked from codes. Either way: the buffers of one layer built from the joined codes."""
+    from ssd.workers.models.blockquant import concat_block_linears
+
+    g = torch.Generator().manual_seed(sum(sizes))
+    parts = [cls.from_float(torch.randn(n, 64, generator=g), torch.randn(n, generator=g)) for n in sizes]
+    fused = concat_block_linears(parts)
+    assert type(fused) is cls and (fused.out_features, fused.in_features) == (sum(sizes), 64)
+    joined = torch.cat([p.codes() for p in parts])
+    want = cls.pack(joined)
+    assert torch.equal(fused.qweight, want) and torch.equal(fused.codes(), joined)
+    assert torch.equal(fused.scale, torch.cat([p.scale for p in parts]))
+    if cls is W4A8Linear:
+        assert torch.equal(fused.offset, torch.cat([p.offset for p in parts]))
+    assert torch.equal(fused.bias, torch.cat([p.bias for p in parts]))
+    x = torch.randn(3, 64, generator=g)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
+
+
 def test_shapes_the_kernel_cannot_take_stay_int8():
     model = random_model(vocab=64, hidden=48, heads=4, kv_heads=2, layers=1)  # K = 48: not whole blocks
     quantize_model(model, "w4a8")
