@@ -119,7 +119,8 @@ class VerifyLine:
     residuals from that line at the measured n (interpolated between them). The intercept and slope follow
     the rounds; the bend keeps the curve's measured shape, which a line misprices: with the AVX-512 tile
     kernels' pairs from 3 rows the 1.5B's forwards took 35.7 / 35.8 / 43.1 / 72.5 ms at 1 / 2 / 4 / 8 tokens
-    (session 27), and the least-squares line through the first priced 4 tokens 21 % high."""
+    (session 27), and the line through the first point with the least-squares slope priced 2-4 tokens 15-21 %
+    high."""
 
     v0: Ema
     v1: Ema
