@@ -407,6 +407,28 @@ class TimedHandle:
         return f
 
 
+def test_start_up_times_a_ladder_of_fanout_sizes_and_interpolates_the_rest():
+    from ssd.autoconfig import BRANCH_TIMED, K_CHOICES, autoconfigure, budgets
+
+    class Recording(TimedHandle):
+        def __init__(self, per_token: float, fixed: float) -> None:
+            super().__init__(per_token, fixed)
+            self.asked: list[tuple[list[int], bool]] = []
+
+        def call(self, method, ns, context=128, tree=False, reps=3, borrow=False):
+            self.asked.append((list(ns), tree))
+            return super().call(method, ns, context, tree, reps, borrow)
+
+    draft = Recording(0.004, 0.02)
+    ac = autoconfigure(TimedHandle(0.03, 0.05), draft, ssd=True)
+    sizes = sorted({b for k in K_CHOICES for b in budgets(k)})
+    trees = [ns for ns, tree in draft.asked if tree]
+    assert len(trees) == 1 and set(trees[0]) == {b for b in sizes if b in BRANCH_TIMED} | {sizes[-1]}
+    assert len(trees[0]) < len(sizes)
+    # Times on a straight line come back exactly at every budget, timed or not.
+    assert ac.t_draft == pytest.approx({b: 0.02 + 0.004 * b for b in sizes})
+
+
 def test_make_mode_seeds_just_in_time_drafts_at_the_borrowed_speed():
     from ssd.build import make_mode
 
