@@ -278,16 +278,15 @@ def autoconfigure(
     if draft_borrow:  # the draft on the target's cores too: one draft step and the longest chain
         lent = draft.call("time_forwards", [1, ns[-1]], borrow=True).result()
         draft_share = (lent[1] / t_step + lent[ns[-1]] / t_chain[ns[-1]]) / 2
-    t_branch = {1: t_chain[ns[0]]}
+    t_draft1 = 0.0
     if ssd:
         sizes = sorted({b for k in K_CHOICES for b in budgets(k)})
         timed = sorted({b for b in sizes if b in BRANCH_TIMED} | {sizes[-1]})
         measured = draft.call("time_forwards", timed, 128, True).result()
         t_branch = {b: interpolate(measured, b) for b in sizes}
-    t_draft1 = 0.0
-    if ssd:
         k, b = _choose_ssd(t_verify, t_chain, t_branch, PRIOR_ACCEPTANCE)
     else:  # one draft step feeds plain SD's choice (and its per-round KTuner); SSD does not use it
+        t_branch = {1: t_chain[ns[0]]}
         t_draft1 = t_step
         k, b = _choose_sd(t_verify, t_draft1, PRIOR_ACCEPTANCE), 0
     log.info("auto-config: k=%d budget=%d (verify %s ms)", k, b,

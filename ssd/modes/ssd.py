@@ -311,9 +311,13 @@ class SSDMode(DraftBackedMode):
     def _timed_verify(self, drafts: list[Draft], q_draft: list, borrow: bool = False) -> list[Outcome]:
         t0 = time.perf_counter()
         outcomes = self._verify(drafts, q_draft, borrow)
-        error = self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), time.perf_counter() - t0, borrow)
-        self.stats.observe_price(error, borrow)
+        self._observe_verify(drafts, time.perf_counter() - t0, borrow)
         return outcomes
+
+    def _observe_verify(self, drafts: list[Draft], seconds: float, borrow: bool = False) -> None:
+        """A verification of `drafts` took `seconds`: refine its price and record how far off it was."""
+        error = self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), seconds, borrow)
+        self.stats.observe_price(error, borrow)
 
     def _commit(self, o: Outcome, feed_ahead: bool, idle: bool) -> None:
         """Tell the draft the emitted tokens. `idle`: no draft forward follows in this round's mode (AR,
@@ -398,7 +402,7 @@ class SSDMode(DraftBackedMode):
         outcomes = fut_v.result()  # a target failure propagates: it fails the batch with its error
         t_verify = time.perf_counter() - t0
         self.stats.verify_s += t_verify
-        self.stats.observe_price(self.cost.observe_verify(sum(len(d.tokens) + 1 for d in drafts), t_verify), False)
+        self._observe_verify(drafts, t_verify)
         t1 = time.perf_counter()
         try:
             info = fut_s.result()
