@@ -80,7 +80,8 @@ class Replay:
                 x.append(greedy(rows[-1]))
             self.w.runner.truncate(self.slot, len(self.prompt) + p + k)  # the draft's own tokens out again
         stacked = torch.stack(rows)  # [<= K + 1, V]
-        return x, self.w._tops(stacked), self.w._tops(stacked, cols), k
+        drafting = self.w._tops(stacked if cols is None else stacked.index_select(-1, cols), cols)
+        return x, self.w._tops(stacked), drafting, k
 
     def _cache_upto(self, j: int) -> None:
         """The cache holds prompt + out[:j] (re-feeds true tokens a previous round's own tokens replaced)."""

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import cpu as cpu_kernels
+
 __all__ = [
     "filter_logits",
     "sample_from_probs",
@@ -154,6 +156,15 @@ def filter_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
         onehot.scatter_(-1, torch.argmax(x, dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs.reshape(shape)
+
+
+def argmax_last(x: Tensor) -> Tensor:
+    """torch.argmax(x, dim=-1), ties -> lowest index: contiguous fp32 CPU logits take the C kernel
+    (ssd.kernels.cpu.argmax_rows, 5-10x faster on vocabulary rows: ~0.1 ms per 152k-token row saved)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] > 0 and (
+            cpu_kernels.available()):
+        return cpu_kernels.argmax_rows(x)
+    return torch.argmax(x, dim=-1)
 
 
 def ref_filter_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:

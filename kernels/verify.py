@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from . import cuda as _cuda
-from .sampling import ref_sample_from_probs, sample_from_probs
+from .sampling import argmax_last, ref_sample_from_probs, sample_from_probs
 
 __all__ = [
     "VerifyResult",
@@ -111,7 +111,7 @@ def verify_greedy(draft_tokens: Tensor, num_draft: Tensor, target_logits: Tensor
     if target_logits.is_cuda and B > 0 and _cuda.available():
         num_acc, tokens = _cuda.verify_greedy_cuda(draft, nd, target_logits)
         return VerifyResult(num_acc, tokens)
-    argmax = torch.argmax(target_logits, dim=-1)  # [B, K+1]
+    argmax = argmax_last(target_logits)  # [B, K+1]
     valid = torch.arange(K, device=draft.device)[None, :] < nd[:, None]  # [B, K]
     match = valid & (draft == argmax[:, :K])  # [B, K]
     num_acc = _num_leading_true(match)  # [B]

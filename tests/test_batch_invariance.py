@@ -19,7 +19,8 @@ import torch
 from tiny_models import greedy_tokens, random_model
 
 from ssd import LLM, SamplingParams
-from ssd.workers.model_runner import ModelRunner
+from ssd.workers.model_runner import ModelRunner, TreeRegion
+from ssd.workers.models.decoder import KVView
 from ssd.workers.models.dense import use_dense_kernels
 from ssd.workers.models.quant import quantize_model, reference_mode
 
@@ -114,6 +115,33 @@ def test_tree_block_equals_decoding_each_path(mode):
             j = parents[j]
         alone = decode_alone(model, prefix, path[::-1])
         assert torch.equal(tree[i], alone[-1]), f"node {i}"
+
+
+def test_row_plan_from_the_tree_equals_the_masks():
+    """ModelRunner._rows plans each token's attention from the tree paths; KVView.plan_rows derives it from
+    the attention mask (the reference). A tree grown over two forwards, a chain, a padded chain, slots out of
+    order: the same rows, with the same kind of keys (a prefix length or explicit positions)."""
+    region = TreeRegion.chain(30, 3)  # x_1..x_3 cached at 30..32: region nodes 0..2
+    region.extend([-1, 0, 2, 2, 1])  # nodes 3..7 (cache 33..37), fed earlier
+    paths = region.extend([3, 4, 5, 6, 2, -1])  # this forward's nodes 8..13
+    fresh = TreeRegion.chain(60, 0).extend([-1, 0, -1, 1])  # a region opened by this forward: paths 0, 0-1, 2, 0-1-3
+    slots, base, lens, n = [2, 0, 1, 3], [38, 20, 50, 60], [6, 4, 2, 4], 6
+    trees_at = [(30, paths), None, None, (60, fresh)]
+    read_len = max(b0 + nb for b0, nb in zip(base, lens))
+    w = [(b, i) for b in range(4) for i in range(lens[b])]
+    mask = torch.from_numpy(ModelRunner._mask(base, lens, trees_at, n, read_len))
+    cache = torch.zeros(4, 1, 72, 8)
+    write = [torch.tensor(v) for v in ([b for b, _ in w], [slots[b] for b, _ in w], [base[b] + i for b, i in w],
+                                       [b * n + i for b, i in w])]
+    ref = KVView(cache, cache, torch.tensor(slots), *write, read_len, mask)
+    ref.plan_rows()
+    got = ModelRunner._rows(slots, base, lens, trees_at)
+    assert len(got) == len(ref.rows) == sum(lens)
+    for g, r in zip(got, ref.rows):
+        assert g[:3] == r[:3] and type(g[3]) is type(r[3]), (g, r)
+        assert g[3] == r[3] if isinstance(g[3], int) else torch.equal(g[3], r[3]), (g, r)
+    kinds = [isinstance(row[3], int) for row in got]
+    assert kinds == [False] * 6 + [True] * 6 + [True, True, False, False]  # both kinds occur
 
 
 @pytest.mark.parametrize("mode", MODES)

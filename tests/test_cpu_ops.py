@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ssd.kernels import cpu as qk
+from ssd.kernels.sampling import argmax_last
 from ssd.workers.models.decoder import RMSNorm
 
 pytestmark = pytest.mark.skipif(not qk.available(), reason=f"CPU kernels: {qk.unavailable_reason()}")
@@ -106,3 +107,30 @@ def test_rmsnorm_matches_module_and_is_row_independent(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2**-7  # fp32 sum order only (then one bf16 rounding)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert torch.equal(torch.cat([norm(x[i : i + 1]) for i in range(7)]), got)
+
+
+@pytest.mark.parametrize("v", [1, 7, 32, 33, 100, 32769, 151936])
+def test_argmax_rows_is_torchs_argmax(v):
+    """The first maximum of each row, as torch.argmax: random rows, rows of many ties, all -inf, 3-d input;
+    a row holding a NaN is torch's (NaN ranks highest)."""
+    g = torch.Generator().manual_seed(v)
+    cases = [torch.randn(5, v, generator=g), torch.randint(0, 3, (5, v), generator=g).float(),
+             torch.full((2, v), float("-inf")), torch.randn(2, 3, v, generator=g)]
+    nan = torch.randn(4, v, generator=g)
+    nan[1, v // 2] = float("nan")
+    nan[3, -1] = float("nan")
+    for x in [*cases, nan]:
+        assert torch.equal(qk.argmax_rows(x), x.argmax(-1))
+        assert torch.equal(argmax_last(x), x.argmax(-1))
+    ties = torch.zeros(3, v)
+    ties[:, v // 3 :] = 1.0  # every later column ties the first maximum
+    assert qk.argmax_rows(ties).tolist() == [v // 3] * 3
+
+
+def test_argmax_last_takes_torch_where_the_kernel_cannot_and_bad_input():
+    x = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    for other in (x.bfloat16(), x.t(), x.double()):  # not contiguous fp32: torch.argmax
+        assert torch.equal(argmax_last(other), other.argmax(-1))
+    for bad in (x.bfloat16(), x.t(), torch.zeros(3, 0)):
+        with pytest.raises(ValueError, match="argmax_rows"):
+            qk.argmax_rows(bad)

@@ -135,7 +135,7 @@ def _speculate_once(worker, prompt, budget, K=3):
 
 def _glue_logits(draft, x, full: bool = True, **kw):
     """q_0..q_K ([K + 1, V]): [x_0 = 5, x_1..x_K] fed after the prompt's first four tokens; `full`: on the
-    whole vocabulary, else on the ids the worker drafts from (-inf elsewhere), with those ids."""
+    whole vocabulary, else [K + 1, C] on the ids the worker drafts from, with those ids."""
     ref = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128, **kw)
     ref.add(0, [3, 1, 4, 1, 5], SamplingSpec(temperature=0))
     assert ref.propose([(0, len(x))])[0][0].tokens == x
@@ -143,7 +143,8 @@ def _glue_logits(draft, x, full: bool = True, **kw):
     ref.runner.truncate(st.slot, 4)
     if full:
         return ref.runner.forward([st.slot], [[5, *x]], full_vocab=True)[0], None
-    return ref._forward([st], [[5, *x]])[0], ref._columns([st])
+    logits, cols = ref._forward([st], [[5, *x]])  # [1, K + 1, C] on the columns cols
+    return logits[0], cols
 
 
 @pytest.mark.parametrize("candidate_vocab", ["full", "draft"])
@@ -179,7 +180,8 @@ def test_ranked_worker_fills_the_cache_with_the_likeliest_outcomes(models, candi
     quota = DraftWorker(draft, **kw)
     _, qinfo, qkeys, qfed = _speculate_once(quota, [3, 1, 4, 1, 5], budget, K)
     assert qinfo["fanout"] == [] and {k for k, _ in qkeys} == {K} and qfed[0] == 1
-    top = logits[K].topk(budget).indices if cols is None else cols[logits[K, cols].topk(budget).indices]
+    top = logits[K].topk(budget).indices
+    top = top if cols is None else cols[top]
     assert qkeys == sorted((K, t) for t in top.tolist())
 
 

@@ -131,6 +131,26 @@ def test_row_extras_give_each_row_its_own_context(name):
         restricted(x)
 
 
+@pytest.mark.parametrize("name", list(_heads()))
+def test_compact_logits_are_the_rows_on_their_columns(name):
+    """compact(x) = forward(x) at columns() (the kept ids and the current extras, ascending), in fp32; every
+    id off those columns is -inf in forward. Ascending columns: argmax on them is the whole row's argmax."""
+    head = _heads()[name]
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(3))  # [B, n, D]
+    restricted = SubsetHead(head_rows(head, KEEP), KEEP, 48, head)
+    for extras in (None, [[30, 2, 44], [31]], [[], [45, 3]]):
+        restricted.set_row_extras(extras)
+        cols, got, whole = restricted.columns(), restricted.compact(x), restricted(x).float()
+        want_cols = sorted({*KEEP.tolist(), *(t for ids in extras or [] for t in ids)})
+        assert cols.tolist() == want_cols
+        assert got.dtype == torch.float32 and got.shape == (2, 3, len(want_cols))
+        assert torch.equal(got, whole[..., cols])
+        off = torch.ones(48, dtype=torch.bool)
+        off[cols] = False
+        assert torch.isneginf(whole[..., off]).all()
+        assert torch.equal(cols[got.argmax(-1)], whole.argmax(-1))
+
+
 @pytest.mark.parametrize("context", [True, False])
 def test_a_restricted_draft_proposes_its_own_context(models, context):
     """draft == target, restricted to ids < 20: with its context it also proposes the ids >= 20 of its

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.cache.outcome_cache import CacheEntry, OutcomeCache
-from ssd.kernels.sampling import filter_logits, saguaro_probs, sample_from_probs
+from ssd.kernels.sampling import argmax_last, filter_logits, saguaro_probs, sample_from_probs
 from ssd.workers.base import ModelWorker
 from ssd.workers.messages import Draft, SamplingSpec
 from ssd.workers.models.decoder import DecoderModel
@@ -94,7 +94,6 @@ class DraftWorker(ModelWorker):
         head = getattr(self.model, "lm_head", None)
         self._subset = head if isinstance(head, SubsetHead) else None
         self._context = context_vocab and self._subset is not None and self.runner.graphs is None
-        self._cols: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last (context union, columns)
         # candidate_vocab: the ids speculate's glue rows rank the candidates t* over, for a restricted
         # layer: "draft", the ids the draft proposes (kept + context); "full", the whole vocabulary, which
         # also predicts target tokens outside them for one full output-layer row per round (the 0.5B on
@@ -161,25 +160,23 @@ class DraftWorker(ModelWorker):
         if self._context:
             st.context.update(t for t in tokens if t not in self._subset.kept_ids)
 
-    def _forward(self, states: list[DraftSeq], tokens: list[list[int]], **kw) -> torch.Tensor:
-        """runner.forward for these sequences' drafting rows; a restricted layer adds their context."""
-        if not self._context:
-            return self.runner.forward([st.slot for st in states], tokens, **kw)
-        self._subset.set_row_extras([sorted(st.context) for st in states])
+    def _forward(
+        self, states: list[DraftSeq], tokens: list[list[int]], **kw
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """runner.forward for these sequences' drafting rows: (logits, cols). A restricted layer (with their
+        context as extra ids) gives its logits on its own columns only, [..., C], cols [C] their token ids
+        (ascending); a whole layer [..., V] and None."""
+        slots = [st.slot for st in states]
+        if self._subset is None:
+            return self.runner.forward(slots, tokens, **kw), None
+        if self.runner.graphs is not None:  # the captured head gives whole rows: -inf off the kept ids
+            return self.runner.forward(slots, tokens, **kw).index_select(-1, self._subset.keep), self._subset.keep
+        if self._context:
+            self._subset.set_row_extras([sorted(st.context) for st in states])
         try:
-            return self.runner.forward([st.slot for st in states], tokens, **kw)
+            return self.runner.forward(slots, tokens, compact=True, **kw), self._subset.columns()
         finally:
             self._subset.set_row_extras(None)
-
-    def _columns(self, states: list[DraftSeq]) -> torch.Tensor | None:
-        """The token ids drafting rows of these sequences can produce (None: all of them)."""
-        if self._subset is None:
-            return None
-        union = tuple(sorted(set().union(*(st.context for st in states)))) if self._context else ()
-        if self._cols is None or self._cols[0] != union:
-            extra = torch.tensor(union, dtype=torch.long, device=self._subset.keep.device)
-            self._cols = (union, torch.cat([self._subset.keep, extra]))
-        return self._cols[1]
 
     def _close_region(self, st: DraftSeq) -> None:
         """Drop an SSD tree region that no resolve() consumed (the policy switched modes)."""
@@ -209,17 +206,23 @@ class DraftWorker(ModelWorker):
 
     # -- sampling ----------------------------------------------------------------------------
     def _sample(
-        self, logits: torch.Tensor, states: list[DraftSeq], fanout: list[int] | None
+        self, logits: torch.Tensor, states: list[DraftSeq], fanout: list[int] | None, cols: torch.Tensor | None = None
     ) -> tuple[list[int], torch.Tensor | None]:
-        """Sample one token per row; returns (tokens, q [B, V] the exact sampling distribution).
+        """Sample one token per row of logits [B, V] (or [B, C] at token ids `cols`); returns (tokens, q [B, V]
+        the exact sampling distribution).
 
         With Saguaro (C < 1) and a fan-out, rows sample from sigma_{F,C}; verification uses this q.
         An all-greedy batch takes the argmax (what sampling the greedy one-hot gives) and no q.
         """
         specs = [s.spec for s in states]
         if all(s.greedy for s in specs):
-            return logits.float().argmax(-1).tolist(), None
+            best = argmax_last(logits.float())  # [B]; ascending cols keep ties on the lowest id
+            return (best if cols is None else cols[best]).tolist(), None
         dev = logits.device
+        if cols is not None:  # q is a distribution over the whole vocabulary (-inf logits elsewhere)
+            assert self._subset is not None
+            full = logits.new_full((logits.shape[0], self._subset.vocab_size), float("-inf"))
+            logits = full.index_copy_(-1, cols, logits)
         temp = torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=dev)
         top_k = torch.tensor([s.top_k for s in specs], dtype=torch.long, device=dev)
         top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=dev)
@@ -265,16 +268,15 @@ class DraftWorker(ModelWorker):
         step = 0
         while active:
             blocks = [feeds[b] if step == 0 else [tokens[b][-1]] for b in active]
-            logits = self._forward([states[b] for b in active], blocks, last_only=True)  # [B, V]
+            logits, cols = self._forward([states[b] for b in active], blocks, last_only=True)  # [B, V or C]
             for b, blk in zip(active, blocks):
                 if step == 0:
                     states[b].base += len(blk)
                 else:
                     states[b].spec_fed.append(blk[0])
             fo = None if fanout is None else [fanout[b][min(step, len(fanout[b]) - 1)] for b in active]
-            new, probs = self._sample(logits, [states[b] for b in active], fo)
+            new, probs = self._sample(logits, [states[b] for b in active], fo, cols)
             ranked = [row for row, b in enumerate(active) if self.ranked and states[b].spec.greedy]
-            cols = self._columns([states[active[row]] for row in ranked]) if ranked else None
             for row, top in zip(ranked, self._tops(logits[ranked], cols) if ranked else []):
                 states[active[row]].tops.append(top)
             for row, b in enumerate(active):
@@ -322,10 +324,11 @@ class DraftWorker(ModelWorker):
                  for st, r, rk, ft in zip(states, requests, ranked, from_tops)]
         # The candidates are predictions, not drafts: whichever ids they are ranked over, no q changes.
         glue_tokens = [g for g, _, _ in glues]
+        cols: torch.Tensor | None = None  # the token id of each logits column (None: every id)
         if self._full_candidates:
             logits = self.runner.forward([st.slot for st in states], glue_tokens, full_vocab=True)  # [B, n, V]
         else:
-            logits = self._forward(states, glue_tokens)  # [B, n, V], -inf outside each row's ids
+            logits, cols = self._forward(states, glue_tokens)  # [B, n, V or C]
         branches: list[list[tuple[int, int]]] = []  # per row: (k, t*)
         for b, (st, r) in enumerate(zip(states, requests)):
             _, committed, first = glues[b]
@@ -334,7 +337,6 @@ class DraftWorker(ModelWorker):
             st.round_id = r.round_id
             self.runner.open_tree(st.slot, st.base)  # x_1..x_K become region nodes 0..K-1
             K = len(r.tokens)
-            cols = None if self._full_candidates else self._columns([st])  # the ids row b's logits hold
             if ranked[b]:
                 # [V] rows: the draft's distribution after x_1..x_k is logits[b, first + k]
                 tops = st.tops[:K] if from_tops[b] else self._tops(logits[b, first: first + K], cols)
@@ -347,9 +349,7 @@ class DraftWorker(ModelWorker):
                 f = r.fanout[k] if k < len(r.fanout) else 0
                 if f <= 0:
                     continue
-                dist = logits[b, first + k]  # [V]: the draft's distribution after x_1..x_k
-                if cols is not None:
-                    dist = dist.index_select(-1, cols)  # [len(cols)]: no -inf id among the candidates
+                dist = logits[b, first + k]  # [V or C]: the draft's distribution after x_1..x_k
                 top = torch.topk(dist, min(f + 1, dist.shape[-1])).indices
                 top = (top if cols is None else cols[top]).tolist()
                 if k < K:
@@ -374,7 +374,7 @@ class DraftWorker(ModelWorker):
                 else:
                     toks.append([y[-1] for y in ys[b]])
                     pars.append([p[-1] for p in paths[b]])
-            out = self._forward([states[b] for b in active], toks, parents=pars)  # [B, n, V]
+            out, cols = self._forward([states[b] for b in active], toks, parents=pars)  # [B, n, V or C]
             # One batched sampling call over every branch of every row.
             flat_logits, flat_states, flat_fo = [], [], []
             for row, b in enumerate(active):
@@ -390,12 +390,11 @@ class DraftWorker(ModelWorker):
                 flat_states.extend([states[b]] * nb)
                 fo = requests[b].next_fanout
                 flat_fo.extend([fo[min(step, len(fo) - 1)] if fo else 0] * nb)
-            all_logits = torch.cat(flat_logits)  # [sum of branches, V]
-            new, probs = self._sample(all_logits, flat_states, flat_fo if any(flat_fo) else None)
+            all_logits = torch.cat(flat_logits)  # [sum of branches, V or C]
+            new, probs = self._sample(all_logits, flat_states, flat_fo if any(flat_fo) else None, cols)
             i = 0
             for b in active:
                 nb = len(branches[b])
-                cols = self._columns([states[b]]) if b in tops_y else None
                 for j, top in enumerate(self._tops(all_logits[i: i + nb], cols) if b in tops_y else []):
                     tops_y[b][j].append(top)  # the next round's tops, should this branch be the outcome
                 for j in range(nb):
@@ -427,11 +426,9 @@ class DraftWorker(ModelWorker):
 
     @staticmethod
     def _tops(logits: torch.Tensor, cols: torch.Tensor | None = None) -> list[Top]:
-        """The RANK_TOP likeliest tokens of each row of logits [n, V] and their probabilities; `cols`: the
-        only ids the rows can hold (a restricted layer's: the rest is -inf, and skipping it is ~5x faster)."""
+        """The RANK_TOP likeliest tokens of each row of logits [n, V] (or [n, C] at token ids `cols`, a
+        restricted layer's columns) and their probabilities."""
         lg = logits.float()
-        if cols is not None:
-            lg = lg.index_select(-1, cols)  # [n, len(cols)]
         top_l, top_i = lg.topk(min(RANK_TOP, lg.shape[-1]), -1)  # [n, RANK_TOP]
         probs = (top_l - torch.logsumexp(lg, -1, keepdim=True)).exp()
         if cols is not None:

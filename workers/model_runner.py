@@ -13,6 +13,7 @@ node already in the region.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,28 +26,21 @@ from ssd.workers.models.decoder import DecoderModel, KVView
 @dataclass
 class TreeRegion:
     start: int  # cache position of region node 0
-    depth: list[int]  # per node, 0 = child of the prefix
-    anc: torch.Tensor  # [R, R] bool: anc[i, j] = node j is node i or one of its ancestors
+    paths: list[list[int]]  # per node: its ancestors and itself, ascending region node indices
 
     @classmethod
     def chain(cls, start: int, n: int) -> TreeRegion:
-        return cls(start, list(range(n)), torch.ones(n, n, dtype=torch.bool).tril())
+        return cls(start, [list(range(i + 1)) for i in range(n)])
 
-    def extend(self, parents: list[int]) -> torch.Tensor:
-        """Append nodes (parents index region nodes, -1 = prefix); return their ancestor rows [n, R]."""
-        r0, n = len(self.depth), len(parents)
-        anc = torch.zeros(r0 + n, r0 + n, dtype=torch.bool)
-        anc[:r0, :r0] = self.anc
+    def extend(self, parents: list[int]) -> list[list[int]]:
+        """Append nodes (parents index region nodes, -1 = prefix); return their paths."""
+        r0 = len(self.paths)
         for i, p in enumerate(parents):
             node = r0 + i
             if not -1 <= p < node:
                 raise ValueError(f"tree parent {p} of node {node} must be -1 or an earlier node")
-            if p >= 0:
-                anc[node] = anc[p]
-            anc[node, node] = True
-            self.depth.append(0 if p < 0 else self.depth[p] + 1)
-        self.anc = anc
-        return anc[r0:]
+            self.paths.append([*self.paths[p], node] if p >= 0 else [node])
+        return self.paths[r0:]
 
 
 GRAPH_LAST_ONLY_MAX = 4  # a draft's catch-up feed (last_only) is graphed up to this many tokens
@@ -115,15 +109,18 @@ class ModelRunner:
         parents: list[list[int] | None] | None = None,
         last_only: bool = False,
         full_vocab: bool = False,
+        compact: bool = False,
     ) -> torch.Tensor:
         """Append tokens[b] to slot slots[b]; return logits [B, n, V] float32 (or [B, V] if last_only).
-        full_vocab: the whole vocabulary's logits from a restricted output layer (an eager forward).
+        full_vocab: the whole vocabulary's logits from a restricted output layer (an eager forward);
+        compact: a restricted layer's logits on its columns only, [..., C] (SubsetHead.compact; eager).
 
         parents[b], when given, makes row b's tokens tree nodes: parents index the slot's open tree
         region (opened at the current length if none is open; -1 = child of the prefix). Row b's
         logits at index i are then the distribution after node i's path.
         """
         full_vocab = full_vocab and hasattr(self.model.lm_head, "full")  # else the usual (graphed) path
+        compact = compact and not full_vocab and hasattr(self.model.lm_head, "compact")
         B = len(slots)
         if B == 0 or B != len(tokens):
             raise ValueError("forward needs one token list per slot")
@@ -140,31 +137,30 @@ class ModelRunner:
         trees: list[list[int] | None] = list(parents) if parents is not None else [None] * B
         pos_base = list(base)
         depth: list[list[int]] = []
-        anc_rows: list[tuple[int, torch.Tensor] | None] = []  # (region start, [n_b, R] ancestor rows)
+        trees_at: list[tuple[int, list[list[int]]] | None] = []  # (region start, the new nodes' paths)
         for b in range(B):
             tr, slot = trees[b], slots[b]
             if tr is None:
                 if slot in self.regions:
                     raise ValueError(f"slot {slot} has an open tree region; pass parents or truncate/keep first")
                 depth.append(list(range(lens[b])))
-                anc_rows.append(None)
+                trees_at.append(None)
                 continue
             if len(tr) != lens[b]:
                 raise ValueError("parents must give one parent per new token")
             region = self.regions.setdefault(slot, TreeRegion.chain(base[b], 0))
-            r0 = len(region.depth)
-            rows = region.extend(tr)
-            depth.append(region.depth[r0:])
+            paths = region.extend(tr)
+            depth.append([len(path) - 1 for path in paths])
             pos_base[b] = region.start
-            anc_rows.append((region.start, rows))
+            trees_at.append((region.start, paths))
 
         pad_ids = [t + [0] * (n - len(t)) for t in tokens]
         pad_pos = [[b0 + d for d in dep] + [b0] * (n - len(dep)) for b0, dep in zip(pos_base, depth)]
         read_len = max(b0 + nb for b0, nb in zip(base, lens))
         # Prompt prefill (last_only, longer) stays eager: one graph per prompt length would not pay.
-        if (self.graphs is not None and not full_vocab and self.graphs.supports(B, n)
+        if (self.graphs is not None and not (full_vocab or compact) and self.graphs.supports(B, n)
                 and (n <= GRAPH_LAST_ONLY_MAX or not last_only)):
-            mask = self._mask(base, lens, anc_rows, n, length_bucket(read_len, self.max_len))
+            mask = self._mask(base, lens, trees_at, n, length_bucket(read_len, self.max_len))
             logits = self.graphs.run(slots, pad_ids, pad_pos, lens, base, mask)  # [B, n, V], shared buffer
             for s, nb in zip(slots, lens):
                 self.kv.lengths[s] += nb
@@ -176,34 +172,61 @@ class ModelRunner:
         input_ids = torch.tensor(pad_ids, dtype=torch.long, device=dev)  # [B, n]
         positions = torch.tensor(pad_pos, dtype=torch.long, device=dev)  # [B, n]
 
-        write_b = torch.tensor([b for b in range(B) for _ in range(lens[b])], device=dev)
-        write_i = torch.tensor([i for b in range(B) for i in range(lens[b])], device=dev)
-        slot_t = torch.tensor(slots, device=dev)
-        base_t = torch.tensor(base, device=dev)
-        write_slot = slot_t[write_b]
-        write_pos = base_t[write_b] + write_i
-        write_src = write_b * n + write_i
+        # The valid (non-padding) tokens, b-major: where their keys go and where they sit in [B * n].
+        w_b = [b for b in range(B) for _ in range(lens[b])]
+        w_i = [i for b in range(B) for i in range(lens[b])]
+        write_b = torch.tensor(w_b, device=dev)
+        write_slot = torch.tensor([slots[b] for b in w_b], device=dev)
+        write_pos = torch.tensor([base[b] + i for b, i in zip(w_b, w_i)], device=dev)
+        write_src = torch.tensor([b * n + i for b, i in zip(w_b, w_i)], device=dev)
 
-        mask = torch.from_numpy(self._mask(base, lens, anc_rows, n, read_len)).to(dev)
+        # A batch-invariant model attends token by token: its plan comes straight from the tree structure.
+        batch_invariant = self.model.batch_invariant
+        mask = None if batch_invariant else torch.from_numpy(self._mask(base, lens, trees_at, n, read_len)).to(dev)
         if slots == list(range(slots[0], slots[0] + B)):
             slot_index: torch.Tensor | slice = slice(slots[0], slots[0] + B)
         else:
-            slot_index = slot_t
+            slot_index = torch.tensor(slots, device=dev)
         kv = KVView(
             self.kv.k, self.kv.v, slot_index, write_b, write_slot, write_pos, write_src, read_len, mask,
             rope_len=max(p for row in pad_pos for p in row) + 1,
         )
+        if batch_invariant:
+            kv.set_rows(self._rows(slots, base, lens, trees_at))
         hidden = self.model(input_ids, positions, kv)  # [B, n, D]
         for s, nb in zip(slots, lens):
             self.kv.lengths[s] += nb
         if last_only:
             last = torch.tensor([nb - 1 for nb in lens], device=dev)
-            return self.model.logits(hidden[torch.arange(B, device=dev), last], full_vocab)  # [B, V]
-        return self.model.logits(hidden, full_vocab)  # [B, n, V]
+            return self.model.logits(hidden[torch.arange(B, device=dev), last], full_vocab, compact)  # [B, V]
+        return self.model.logits(hidden, full_vocab, compact)  # [B, n, V]
+
+    @staticmethod
+    def _rows(
+        slots: list[int], base: list[int], lens: list[int], trees_at: list[tuple[int, list[list[int]]] | None],
+    ) -> list[tuple[int, int, int, Any]]:
+        """Each new token's attention, for KVView.set_rows: (b, i, cache slot, keys), keys = L for cache
+        positions 0..L-1, else a LongTensor of positions: the prefix before the tree region and the node's
+        path. KVView.plan_rows derives the same from the mask (the reference; tests compare them)."""
+        rows: list[tuple[int, int, int, Any]] = []
+        for b, (slot, b0, nb, tree) in enumerate(zip(slots, base, lens, trees_at)):
+            if tree is None:  # a chain: the prefix and the new tokens up to this one
+                rows.extend((b, i, slot, b0 + i + 1) for i in range(nb))
+                continue
+            start, paths = tree
+            prefix: torch.Tensor | None = None
+            for i, path in enumerate(paths):
+                if path[-1] == len(path) - 1:  # region nodes 0..j: positions 0..start + j
+                    rows.append((b, i, slot, start + len(path)))
+                    continue
+                if prefix is None:
+                    prefix = torch.arange(start)
+                rows.append((b, i, slot, torch.cat([prefix, torch.tensor(path) + start])))
+        return rows
 
     @staticmethod
     def _mask(
-        base: list[int], lens: list[int], anc_rows: list[tuple[int, torch.Tensor] | None], n: int, read_len: int,
+        base: list[int], lens: list[int], trees_at: list[tuple[int, list[list[int]]] | None], n: int, read_len: int,
     ) -> np.ndarray:
         """[B, 1, n, read_len] bool, on the host: the whole prefix, plus causal (or tree-ancestor) new tokens.
 
@@ -215,10 +238,13 @@ class ModelRunner:
         base_a = np.asarray(base)[:, None, None]  # [B, 1, 1]
         lens_a = np.asarray(lens)[:, None, None]
         mask = (cols <= base_a + rows) & (rows < lens_a)  # [B, n, L]: prefix + new tokens up to this one
-        for b, ar in enumerate(anc_rows):
-            if ar is not None:
-                start, anc = ar  # [n_b, R], R = region nodes including the new ones
-                mask[b, : lens[b], start : start + anc.shape[1]] = anc.numpy()
+        for b, tree in enumerate(trees_at):
+            if tree is not None:
+                start, paths = tree
+                region = mask[b, : lens[b], start:]  # [n_b, L - start]: node i attends its path
+                region[:] = False
+                for i, path in enumerate(paths):
+                    region[i, path] = True
         # Padding rows attend position 0 only, so softmax never sees an all-masked row.
         mask[:, :, 0] |= rows[..., 0] >= lens_a[..., 0]
         return mask[:, None]

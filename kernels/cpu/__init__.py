@@ -137,11 +137,12 @@ def load(isa_name: str) -> ctypes.CDLL:
     lib.ssd_attend_rows.argtypes = [p, ctypes.c_int64, p, p, p, i, i, i, i, i, i, p, p, p, p, i]
     lib.ssd_linear_dense.argtypes = [p, i, i, i, i, p, i, p, p, i]
     lib.ssd_silu_mul.argtypes = [p, p, i, i, i, i]
+    lib.ssd_argmax_rows.argtypes = [p, i, ctypes.c_int64, p, i]
     lib.ssd_decoder_layers.argtypes = [
         p, i, p, i, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, p, i,
     ]
     for f in (lib.ssd_quantize_rows, lib.ssd_linear, lib.ssd_rmsnorm, lib.ssd_attend_rows, lib.ssd_linear_dense,
-              lib.ssd_silu_mul, lib.ssd_decoder_layers):
+              lib.ssd_silu_mul, lib.ssd_decoder_layers, lib.ssd_argmax_rows):
         f.restype = None
     return lib
 
@@ -271,6 +272,22 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.dtype == torch.bfloat16, x.numel() // d, d, eps
     )
     return out
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """torch.argmax(x, -1) (the first maximum of each row) for a contiguous fp32 CPU tensor [..., V]: about
+    8x faster on a vocabulary row. A row holding a NaN goes to torch, which ranks NaN highest."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.shape[-1] == 0:
+        raise ValueError(f"argmax_rows: a contiguous fp32 CPU tensor [..., V > 0] expected, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    v = x.shape[-1]
+    rows = x.view(-1, v)
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    _require().ssd_argmax_rows(rows.data_ptr(), rows.shape[0], v, out.data_ptr(), torch.get_num_threads())
+    nan = out < 0
+    if bool(nan.any()):
+        out[nan] = rows[nan].argmax(-1)
+    return out.view(x.shape[:-1])
 
 
 @dataclass

@@ -1021,6 +1021,63 @@ void ssd_rmsnorm(const void* x, const void* weight, void* out, int bf16, int M, 
     free(row);
 }
 
+// The index of the first maximum of one fp32 row, or -1 if the row holds a NaN (torch ranks NaN highest;
+// the caller asks torch then). Four 8-lane accumulators (running max, its index) over consecutive chunks, a
+// strict > keeps each lane's first maximum; merging lanes takes the larger value, on ties the lower index.
+static int64_t argmax_row(const float* x, int64_t V) {
+    int64_t best = 0;
+    bool nan = false;
+    int64_t i = 0;
+    if (V >= 32) {
+        __m256 mx[4], bad = _mm256_setzero_ps();
+        __m256i at[4];
+        const __m256i step = _mm256_set1_epi32(32), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256i pos[4];
+        for (int a = 0; a < 4; ++a) {
+            mx[a] = _mm256_loadu_ps(x + 8 * a);
+            at[a] = pos[a] = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * a));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(mx[a], mx[a], _CMP_UNORD_Q));
+        }
+        for (i = 32; i + 32 <= V; i += 32) {
+            for (int a = 0; a < 4; ++a) {
+                pos[a] = _mm256_add_epi32(pos[a], step);
+                const __m256 v = _mm256_loadu_ps(x + i + 8 * a);
+                const __m256 gt = _mm256_cmp_ps(v, mx[a], _CMP_GT_OQ);
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                mx[a] = _mm256_blendv_ps(mx[a], v, gt);
+                at[a] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at[a]), _mm256_castsi256_ps(pos[a]), gt));
+            }
+        }
+        nan = _mm256_movemask_ps(bad) != 0;
+        alignas(32) float mv[32];
+        alignas(32) int32_t iv[32];
+        for (int a = 0; a < 4; ++a) {
+            _mm256_store_ps(mv + 8 * a, mx[a]);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(iv + 8 * a), at[a]);
+        }
+        float m = mv[0];
+        best = iv[0];
+        for (int l = 1; l < 32; ++l)
+            if (mv[l] > m || (mv[l] == m && iv[l] < best)) {
+                m = mv[l];
+                best = iv[l];
+            }
+    } else {
+        nan = x[0] != x[0];
+    }
+    for (i = V >= 32 ? i : 1; i < V; ++i) {  // the tail (or a short row)
+        nan = nan || x[i] != x[i];
+        if (x[i] > x[best]) best = i;
+    }
+    return nan ? -1 : best;
+}
+
+// out[m] = argmax of row m of x [M, V] fp32 (the first maximum); -1 for a row holding a NaN.
+void ssd_argmax_rows(const float* x, int M, int64_t V, int64_t* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (M > 1 && static_cast<int64_t>(M) * V >= (1 << 18))
+    for (int m = 0; m < M; ++m) out[m] = argmax_row(x + static_cast<int64_t>(m) * V, V);
+}
+
 // Attention for new tokens one at a time, each over exactly the cache positions it may see (no mask):
 // out[r, h] = softmax(q[r, h] . k[pos] / sqrt(hd)) @ v[pos] over pos in 0..len[r]-1, or over
 // idx[off[r] .. off[r] + len[r]) when off[r] >= 0 (tree tokens). q: [R, H, hd] with row stride

@@ -201,7 +201,7 @@ class KVView:
         write_pos: torch.Tensor,  # [T] cache position of each valid new token
         write_src: torch.Tensor,  # [T] flat index into [B * n] of each valid new token
         read_len: int,  # Lmax: positions attended (max over the batch of len + n)
-        mask: torch.Tensor,  # [B, 1, n, Lmax] bool, True = may attend
+        mask: torch.Tensor | None,  # [B, 1, n, Lmax] bool, True = may attend (None: set_rows plans instead)
         rope_len: int | None = None,  # > every position (known on the host: saves a device sync)
     ) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -212,14 +212,17 @@ class KVView:
         self.mask = mask
         self.rope_len = rope_len
         self.layer = 0
-        # Set by plan_rows (DecoderModel.batch_invariant): per new token (b, i, cache slot, keys),
+        # Set by set_rows or plan_rows (DecoderModel.batch_invariant): per new token (b, i, cache slot, keys),
         # keys = L for cache positions 0..L-1 or a LongTensor of positions; attention then runs
         # token by token straight on the cache (write_and_read returns the layer's whole cache).
         self.rows: list[tuple[int, int, int, Any]] | None = None
         self.row_plan: cpu_kernels.RowPlan | None = None  # `rows` for the C attention kernel, when usable
 
     def plan_rows(self) -> None:
-        """Derive each valid new token's attended cache positions from the mask (once per forward)."""
+        """Derive each valid new token's attended cache positions from the mask (once per forward). The
+        ModelRunner plans from the tree structure instead (ModelRunner._rows); this is the reference."""
+        if self.mask is None:
+            raise ValueError("plan_rows needs the attention mask")
         m = self.mask[:, 0]  # [B, n, L]
         B, n, L = m.shape
         if isinstance(self.slot_index, slice):
@@ -227,7 +230,7 @@ class KVView:
         else:
             slots = self.slot_index.tolist()
         if B == 1 and n == 1 and bool(m.all()):  # plain decode: attends the whole prefix
-            self._set_rows([(0, 0, slots[0], L)])
+            self.set_rows([(0, 0, slots[0], L)])
             return
         cnt = m.sum(-1)  # [B, n]
         prefix = (m == (torch.arange(L, device=m.device) < cnt[..., None])).all(-1)  # attends 0..cnt-1
@@ -236,9 +239,10 @@ class KVView:
         for f in self.write_src.tolist():
             b, i = divmod(f, n)
             rows.append((b, i, slots[b], cnt_l[b][i] if prefix_l[b][i] else m[b, i].nonzero().squeeze(1)))
-        self._set_rows(rows)
+        self.set_rows(rows)
 
-    def _set_rows(self, rows: list[tuple[int, int, int, Any]]) -> None:
+    def set_rows(self, rows: list[tuple[int, int, int, Any]]) -> None:
+        """Attend token by token: `rows` as described in __init__, one per valid new token, in write order."""
         self.rows = rows
         kc = self.k_cache
         if kc.device.type == "cpu" and kc.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available():
@@ -370,7 +374,10 @@ class DecoderModel(nn.Module):
         out[src] = rows
         return out.view(B, n, D)
 
-    def logits(self, hidden: torch.Tensor, full_vocab: bool = False) -> torch.Tensor:
-        """full_vocab: the whole vocabulary's logits even when the output layer is restricted (SubsetHead)."""
+    def logits(self, hidden: torch.Tensor, full_vocab: bool = False, compact: bool = False) -> torch.Tensor:
+        """full_vocab: the whole vocabulary's logits even when the output layer is restricted (SubsetHead);
+        compact: a restricted layer's logits on its own columns only (SubsetHead.compact)."""
+        if compact and hasattr(self.lm_head, "compact"):
+            return self.lm_head.compact(hidden)
         head = self.lm_head.full if full_vocab and hasattr(self.lm_head, "full") else self.lm_head
         return head(hidden).float()

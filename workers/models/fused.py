@@ -11,6 +11,8 @@ layers, reference mode) stays on the torch path.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W6A8Linear, W8
 from ssd.workers.models.dense import DenseLinear
 
 _REST = (("o", "self_attn", "o_proj"), ("gate_up", "mlp", "gate_up_proj"), ("down", "mlp", "down_proj"))
+_USES_REFERENCE = operator.attrgetter("use_reference")  # every fused linear is a _QuantLinear
 
 
 def _layer_linears(layer: nn.Module) -> list[tuple[str, str, nn.Module | None]]:
@@ -97,7 +100,12 @@ class FusedLayers:
             raise ValueError(f"fused decoder layers unavailable: {reason}")
         cfg = model.config
         self.modules = [m for layer in model.layers for _, _, m in _layer_linears(layer)]
-        self.model, self.watch = model, self._watch(model)
+        self.model = model
+        watch = self._watch(model)
+        # matches() compares these in C-level loops (map), not bytecode: ~500 entries per forward
+        self._owners, self._keys, self._objs = (tuple(e[i] for e in watch) for i in range(3))
+        self._params = tuple(e[2] for e in watch if e[3] is not None)
+        self._param_ptrs = [e[3] for e in watch if e[3] is not None]
         self.caches = [(c.data_ptr(), c.shape) for c in (k_cache, v_cache)]
         self.layers = (cpu_kernels.LayerDesc * len(model.layers))()
         for i, layer in enumerate(model.layers):
@@ -166,14 +174,13 @@ class FusedLayers:
     def matches(self, model: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether the descriptors still point at `model`'s tensors and these caches (no module swapped,
         no tensor moved or re-allocated, no layer in reference mode)."""
-        if self.model is not model or any(getattr(m, "use_reference", False) for m in self.modules):
+        if self.model is not model or any(map(_USES_REFERENCE, self.modules)):
             return False
         if [(c.data_ptr(), c.shape) for c in (k_cache, v_cache)] != self.caches:
             return False
-        for owner, key, obj, ptr in self.watch:
-            if owner.get(key) is not obj or (ptr is not None and obj.data_ptr() != ptr):
-                return False
-        return True
+        if not all(map(operator.is_, map(dict.get, self._owners, self._keys), self._objs)):
+            return False
+        return list(map(torch.Tensor.data_ptr, self._params)) == self._param_ptrs
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slot: torch.Tensor,
             write_pos: torch.Tensor, plan: cpu_kernels.RowPlan) -> torch.Tensor:

@@ -31,6 +31,7 @@ class SubsetHead(nn.Module):
     the draft passes each sequence's own prompt and output tokens outside the kept ids, which on HumanEval
     are nearly all the target's tokens outside them (identifiers, code fences). Their rows come from the
     full layer (the same codes), for the union of the batch's extras; a row's other extras stay -inf.
+    `compact(x)` gives the same logits on `columns()` only, the ids they can be finite at.
     """
 
     def __init__(self, head: nn.Module, keep: torch.Tensor, vocab_size: int, full: nn.Module) -> None:
@@ -42,6 +43,7 @@ class SubsetHead(nn.Module):
         self.kept_ids = set(keep.tolist())  # for membership tests
         self._extras: list[list[int]] | None = None
         self._extra_layer: tuple[tuple[int, ...], nn.Module] | None = None  # the last union's rows, reused
+        self._layout: tuple[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None  # compact's, per union
 
     def set_row_extras(self, extras: list[list[int]] | None) -> None:
         """Token ids each input row may also produce (ids already kept are ignored); None clears."""
@@ -49,27 +51,65 @@ class SubsetHead(nn.Module):
             raise ValueError(f"extra token ids must lie in 0..{self.vocab_size - 1}")
         self._extras = None if extras is None else [sorted(set(ids) - self.kept_ids) for ids in extras]
 
+    def _union(self) -> tuple[int, ...]:
+        """The extra ids some row may produce now, ascending."""
+        extras = self._extras
+        return tuple(sorted({t for ids in extras for t in ids})) if extras else ()
+
+    def _extra_logits(self, x: torch.Tensor, union: tuple[int, ...]) -> torch.Tensor:
+        """Logits [..., len(union)] of the union's ids in x's dtype, -inf where a row may not produce one."""
+        extras = self._extras
+        assert extras is not None
+        if len(extras) != x.shape[0]:
+            raise ValueError(f"extras for {len(extras)} rows, input has {x.shape[0]}")
+        if self._extra_layer is None or self._extra_layer[0] != union:
+            ids = torch.tensor(union, dtype=torch.long, device=self.keep.device)
+            self._extra_layer = (union, head_rows(self.full, ids))
+        ex = self._extra_layer[1](x)  # [..., n_union]
+        col = {t: i for i, t in enumerate(union)}
+        allowed = torch.zeros(x.shape[0], len(union), dtype=torch.bool, device=ex.device)  # [B, n_union]
+        for b, ids in enumerate(extras):
+            allowed[b, [col[t] for t in ids]] = True
+        allowed = allowed.view(x.shape[0], *([1] * (ex.dim() - 2)), len(union))
+        return torch.where(allowed, ex, torch.full_like(ex, float("-inf")))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sub = self.head(x)  # [..., n_keep]
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
         out.index_copy_(-1, self.keep, sub)
-        extras = self._extras
-        if extras is None or not any(extras):
+        union = self._union()
+        if not union:
             return out
-        if len(extras) != x.shape[0]:
-            raise ValueError(f"extras for {len(extras)} rows, input has {x.shape[0]}")
-        union = tuple(sorted({t for ids in extras for t in ids}))
-        if self._extra_layer is None or self._extra_layer[0] != union:
-            ids = torch.tensor(union, dtype=torch.long, device=self.keep.device)
-            self._extra_layer = (union, head_rows(self.full, ids))
-        ex = self._extra_layer[1](x).to(out.dtype)  # [..., n_union]
-        col = {t: i for i, t in enumerate(union)}
-        allowed = torch.zeros(x.shape[0], len(union), dtype=torch.bool, device=out.device)  # [B, n_union]
-        for b, ids in enumerate(extras):
-            allowed[b, [col[t] for t in ids]] = True
-        allowed = allowed.view(x.shape[0], *([1] * (out.dim() - 2)), len(union))
         ids = torch.tensor(union, dtype=torch.long, device=out.device)
-        return out.index_copy_(-1, ids, torch.where(allowed, ex, torch.full_like(ex, float("-inf"))))
+        return out.index_copy_(-1, ids, self._extra_logits(x, union).to(out.dtype))
+
+    def columns(self) -> torch.Tensor:
+        """The token ids, ascending, whose logits `compact` gives: the kept ids and the current extras."""
+        return self._compact_layout(self._union())[0]
+
+    def compact(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [..., C] at `columns()`: forward's logits without the full-vocabulary row of -inf
+        (the draft samples, ranks and takes argmaxes on ~33k columns instead of 152k). Ascending ids keep
+        argmax's ties on the lowest id, as on the whole row."""
+        sub = self.head(x).float()  # [..., n_keep]
+        union = self._union()
+        if not union:
+            return sub
+        cols, at_keep, at_extra = self._compact_layout(union)
+        out = sub.new_empty(*sub.shape[:-1], cols.numel())  # [..., C]
+        out.index_copy_(-1, at_keep, sub)
+        return out.index_copy_(-1, at_extra, self._extra_logits(x, union).float())
+
+    def _compact_layout(self, union: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(columns, where the kept ids go among them, where the union's go), for this union (cached)."""
+        if self._layout is None or self._layout[0] != union:
+            ids = torch.cat([self.keep, torch.tensor(union, dtype=torch.long, device=self.keep.device)])
+            cols, order = ids.sort()
+            at = torch.empty_like(order)
+            at[order] = torch.arange(order.numel(), device=order.device)  # position of ids[i] among cols
+            n = self.keep.numel()
+            self._layout = (union, (cols, at[:n], at[n:]))
+        return self._layout[1]
 
 
 def head_rows(head: nn.Module, keep: torch.Tensor) -> nn.Module:
