@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ssd.kernels.sampling import argmax_last  # noqa: E402
 from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.config import ModelConfig
 from ssd.workers.models.decoder import DecoderModel
@@ -120,7 +121,7 @@ class OurVariant:
         for _ in range(steps):
             t0 = time.perf_counter()
             logits = self.runner.forward([self.slot], [[tok]], last_only=True)
-            tok = int(logits[0].argmax())
+            tok = int(argmax_last(logits[0]))  # greedy as the engine takes it
             ts.append(time.perf_counter() - t0)
         self.runner.truncate(self.slot, CACHE)
         return ts

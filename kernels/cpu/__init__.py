@@ -142,8 +142,9 @@ def load(isa_name: str) -> ctypes.CDLL:
         p, i, p, i, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, p, i,
     ]
     for f in (lib.ssd_quantize_rows, lib.ssd_linear, lib.ssd_rmsnorm, lib.ssd_attend_rows, lib.ssd_linear_dense,
-              lib.ssd_silu_mul, lib.ssd_decoder_layers, lib.ssd_argmax_rows):
+              lib.ssd_silu_mul, lib.ssd_decoder_layers):
         f.restype = None
+    lib.ssd_argmax_rows.restype = ctypes.c_int  # rows holding a NaN
     return lib
 
 
@@ -283,9 +284,8 @@ def argmax_rows(x: Tensor) -> Tensor:
     v = x.shape[-1]
     rows = x.view(-1, v)
     out = torch.empty(rows.shape[0], dtype=torch.int64)
-    _require().ssd_argmax_rows(rows.data_ptr(), rows.shape[0], v, out.data_ptr(), torch.get_num_threads())
-    nan = out < 0
-    if bool(nan.any()):
+    if _require().ssd_argmax_rows(rows.data_ptr(), rows.shape[0], v, out.data_ptr(), torch.get_num_threads()):
+        nan = out < 0
         out[nan] = rows[nan].argmax(-1)
     return out.view(x.shape[:-1])
 

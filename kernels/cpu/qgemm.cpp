@@ -1072,10 +1072,16 @@ static int64_t argmax_row(const float* x, int64_t V) {
     return nan ? -1 : best;
 }
 
-// out[m] = argmax of row m of x [M, V] fp32 (the first maximum); -1 for a row holding a NaN.
-void ssd_argmax_rows(const float* x, int M, int64_t V, int64_t* out, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (M > 1 && static_cast<int64_t>(M) * V >= (1 << 18))
-    for (int m = 0; m < M; ++m) out[m] = argmax_row(x + static_cast<int64_t>(m) * V, V);
+// out[m] = argmax of row m of x [M, V] fp32 (the first maximum); -1 for a row holding a NaN. Returns the
+// number of such rows.
+int ssd_argmax_rows(const float* x, int M, int64_t V, int64_t* out, int nthreads) {
+    int nan_rows = 0;
+#pragma omp parallel for num_threads(nthreads) reduction(+ : nan_rows) if (M > 1 && static_cast<int64_t>(M) * V >= (1 << 18))
+    for (int m = 0; m < M; ++m) {
+        out[m] = argmax_row(x + static_cast<int64_t>(m) * V, V);
+        nan_rows += out[m] < 0;
+    }
+    return nan_rows;
 }
 
 // Attention for new tokens one at a time, each over exactly the cache positions it may see (no mask):
