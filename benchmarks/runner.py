@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ssd.kernels.sampling import argmax_last  # noqa: E402
+from ssd.kernels.sampling import argmax_last
 from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.config import ModelConfig
 from ssd.workers.models.decoder import DecoderModel
