@@ -6,8 +6,8 @@ kernels (every `ssd.kernels.cpu` entry point the models call), i.e. Python, torc
 Target (1.5B, whole vocabulary): a decode step and a verification of 6 tokens (forward + `verify_greedy`, as
 the target worker's AR and SD rounds) over a ~200-token cache. Draft (0.5B, `--draft-vocab` kept ids plus its context,
 as SSD runs it): a `DraftWorker`'s SD proposal of K tokens, SSD speculation (ranked, budget B, K steps) and a
-miss's resolution (a just-in-time proposal), on a HumanEval prompt that grows round by round. Prints a table
-of medians and writes JSON.
+miss's resolution (a just-in-time proposal), on a HumanEval prompt that grows round by round; then greedy argmax
+of logits rows, torch's against the C kernel. Prints a table of medians and writes JSON.
 """
 
 from __future__ import annotations
@@ -125,6 +125,22 @@ def draft_calls(alias: str, draft_vocab: int, k: int, budget: int) -> dict[str, 
             "draft resolve, a miss (propose again)": resolve_miss}
 
 
+def argmax_times(reps: int = 200) -> dict:
+    """Microseconds per greedy argmax of fp32 logits rows: torch.argmax against the C kernel (argmax_rows)."""
+    out = {}
+    for rows, v in ((1, 151936), (6, 151936), (16, 32800)):
+        x = torch.randn(rows, v, generator=torch.Generator().manual_seed(rows))
+        got = {}
+        for name, fn in (("torch", lambda t: t.argmax(-1)), ("argmax_rows", cpu_kernels.argmax_rows)):
+            fn(x)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn(x)
+            got[name + "_us"] = round((time.perf_counter() - t0) / reps * 1e6, 1)
+        out[f"{rows} x {v}"] = got
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen-coder-1.5b")
@@ -143,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'call':<40} {'wall ms':>8} {'kernels ms':>11} {'host ms':>8}")
     for name, r in rows.items():
         print(f"{name:<40} {r['wall_ms']:8.2f} {r['kernel_ms']:11.2f} {r['host_ms']:8.2f}")
+    argmax = argmax_times() if hasattr(cpu_kernels, "argmax_rows") else {}
+    for shape, r in argmax.items():
+        print(f"greedy argmax of {shape} fp32: torch {r['torch_us']:.1f} us, argmax_rows {r['argmax_rows_us']:.1f} us")
     out = Path(args.out or Path(__file__).resolve().parent.parent / "results" / "host_overhead.json")
-    out.write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+    out.write_text(json.dumps(dict(args=vars(args), rows=rows, argmax=argmax), indent=1))
     print(f"wrote {out}")
     return 0
 
