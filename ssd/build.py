@@ -68,7 +68,7 @@ def make_mode(
             cfg.fanout = ac.budget
     k = cfg.k or DEFAULT_K
     if cfg.mode == "ar" or (cfg.mode == "auto" and draft is None):
-        return ARMode(target, k=k)
+        return ARMode(target, k=k, steps=cfg.ar_steps)
     if cfg.mode == "ngram":
         return NgramMode(target, k=k, max_n=cfg.ngram_max)
     assert draft is not None

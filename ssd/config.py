@@ -35,6 +35,9 @@ class Config:
     linear_kernel: str = "auto"  # unquantised CPU linears: "dense" (C kernel, batch invariant), "torch", "auto"
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode, verification and tree steps
     k: int | None = None  # draft length; None = chosen from measured latencies
+    # mode="ar": tokens decoded per call to the target worker (one actor round trip per call, not per token;
+    # new requests wait for the call to end). Same tokens and random draws as one per call.
+    ar_steps: int = 4
     fanout: int | list[int] | None = None  # SSD budget B (int) or explicit F_0..F_K
     fanout_kind: str = "geometric"  # or "uniform"
     # How greedy rows spend SSD's budget B: "ranked" on the B outcomes (k, t*) the draft finds likeliest
@@ -77,6 +80,8 @@ class Config:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if not (isinstance(self.ar_steps, int) and 1 <= self.ar_steps <= 64):
+            raise ValueError(f"ar_steps must be an integer in 1..64, got {self.ar_steps!r}")
         if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):
             raise ValueError(f"unsupported dtype {self.dtype!r}; use bfloat16 or float32")
         if self.draft_quantization == "same":

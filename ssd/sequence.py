@@ -90,6 +90,11 @@ class Sequence:
         return self.status is Status.FINISHED
 
     @property
+    def stop_ids(self) -> set[int]:
+        """Token ids that end this sequence (its stop_token_ids, and eos unless ignore_eos)."""
+        return self._stop_ids
+
+    @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
 

@@ -110,3 +110,32 @@ def test_stats_and_metrics(llm):
     assert m["emitted_tokens"] == 6 and m["rounds"] == 6 and m["tau"] == 1.0
     st = llm.stats()
     assert st["mode"] == "ar" and st["emitted_tokens"] >= 6
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_several_tokens_per_call_equal_one_per_call(sampled):
+    """ar_steps: the target worker decodes up to that many tokens per call; every token and random draw is
+    that of one token per call, in a batch whose sequences stop at different points (max_tokens not a
+    multiple of the steps, a stop token mid-call); the statistics still count one round per forward."""
+    model = random_model(vocab=48, seed=1, scale=3.0)
+    prompts = [[1, 2, 3], [5, 9, 11, 13, 2, 7], [40], [7, 7]]
+    temp = dict(temperature=0.9, top_k=20) if sampled else dict(temperature=0)
+    sps = [SamplingParams(max_tokens=n, ignore_eos=True, seed=s, **temp) for n, s in ((13, 1), (7, 2), (16, 3), (1, 4))]
+    got = {}
+    for steps in (1, 4):
+        with LLM(target=model, mode="ar", dtype="float32", max_batch=4, max_len=128, ar_steps=steps) as llm:
+            full = [o.token_ids for o in llm.generate(prompts, sps)]
+            stop = full[0][5]
+            stop_sp = SamplingParams(max_tokens=13, seed=1, stop_token_ids=[stop], **temp)
+            stopped = llm.generate([prompts[0]], stop_sp)[0]
+            got[steps] = (full, stopped.token_ids, stopped.finish_reason, stopped.metrics["rounds"], llm.stats())
+    assert got[4][:4] == got[1][:4]
+    assert [len(t) for t in got[4][0]] == [13, 7, 16, 1] and got[4][2] == "stop"
+    assert got[4][3] == len(got[4][1])  # a round per forward
+    st1, st4 = got[1][4], got[4][4]
+    assert st4["rounds"] == st1["rounds"] and st4["tau"] == st1["tau"]  # batch forwards, counted alike
+
+
+def test_ar_steps_is_checked():
+    with pytest.raises(ValueError, match="ar_steps"):
+        LLM(target=random_model(), mode="ar", ar_steps=0)

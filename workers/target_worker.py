@@ -31,6 +31,24 @@ class TargetWorker(ModelWorker):
         with self._cores(borrow):
             return self._verify(drafts, q_draft)
 
+    def decode(self, seq_ids: list[int], steps: list[int], stop_ids: list[list[int]]) -> list[Outcome]:
+        """Plain decoding of up to steps[b] tokens for sequence seq_ids[b] in one call (one actor round trip
+        instead of one per token). Each step is a verification of no drafted tokens, so the tokens and every
+        sequence's random draws are those of as many one-token rounds. A sequence stops after a token in its
+        stop_ids (the coordinator's eos and stop tokens); the coordinator applies stop strings."""
+        if not (len(seq_ids) == len(steps) == len(stop_ids)):
+            raise ValueError("decode needs one step count and one stop list per sequence")
+        out: dict[int, list[int]] = {sid: [] for sid in seq_ids}
+        left = dict(zip(seq_ids, steps))
+        stops = {sid: set(ids) for sid, ids in zip(seq_ids, stop_ids)}
+        active = [sid for sid in seq_ids if left[sid] > 0]
+        while active:
+            for o in self.verify([Draft(seq_id=sid) for sid in active]):
+                out[o.seq_id].extend(o.tokens)
+                left[o.seq_id] -= len(o.tokens)
+            active = [sid for sid in active if left[sid] > 0 and out[sid][-1] not in stops[sid]]
+        return [Outcome(seq_id=sid, num_accepted=0, tokens=out[sid]) for sid in seq_ids]
+
     def _verify(self, drafts: list[Draft], q_draft: list[torch.Tensor | None] | None) -> list[Outcome]:
         t0 = time.perf_counter()
         if q_draft is None:

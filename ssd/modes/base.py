@@ -86,10 +86,31 @@ class Mode:
 
 
 class ARMode(Mode):
+    """Plain decoding: up to `steps` tokens per sequence per round, in one call to the target worker
+    (TargetWorker.decode), each sequence stopping at its stop ids or max_tokens."""
+
     name = "ar"
+
+    def __init__(self, target: WorkerHandle, k: int = 4, steps: int = 1) -> None:
+        super().__init__(target, k)
+        self.steps = steps
 
     def round(self, seqs: list[Sequence]) -> list[Outcome]:
         drafts = [Draft(seq_id=s.seq_id) for s in seqs]
-        outcomes = self._verify(drafts)
+        if self.steps == 1:
+            outcomes = self._verify(drafts)
+        else:
+            t0 = time.perf_counter()
+            steps = [max(1, min(self.steps, s.remaining)) for s in seqs]
+            stops = [sorted(s.stop_ids) for s in seqs]
+            outcomes = self.target.call("decode", [s.seq_id for s in seqs], steps, stops).result()
+            self.stats.verify_s += time.perf_counter() - t0
         self._record(seqs, drafts, outcomes, "ar")
+        # Statistics count target forwards as rounds, as with one token per call (tau stays 1).
+        extra = [len(o.tokens) - 1 for o in outcomes]
+        self.stats.rounds += max(extra, default=0)
+        self.stats.policy["ar"] += max(extra, default=0)
+        for seq, e in zip(seqs, extra):
+            seq.metrics.rounds += e
+            seq.metrics.policy["ar"] += e
         return outcomes
