@@ -205,7 +205,28 @@ def test_pack_layout():
         W4A8Linear(codes, torch.ones(11, 4), torch.ones(11, 4), None)
 
 
-@pytest.mark.parametrize("cls", [W4A8Linear, W5A8Linear, W6A8Linear])
+def test_q8_pack_layout():
+    """q8 tiles: byte 32 v + 4 r + j of a tile's block holds row r's code 4 v + j, plus 128; padding rows
+    hold q = 0 (128); codes() gives back the signed codes, both extremes included."""
+    codes = torch.randint(-127, 128, (11, 64), generator=torch.Generator().manual_seed(8)).to(torch.int8)
+    codes[0, :4] = torch.tensor([-128, -127, 0, 127], dtype=torch.int8)
+    packed = W8A8Linear.pack(codes)
+    assert packed.shape == (2, 2 * 256) and packed.dtype == torch.uint8
+    for tile, row, block, v, j in [(0, 0, 0, 0, 0), (0, 5, 1, 2, 3), (1, 2, 0, 7, 1), (0, 7, 1, 6, 2)]:
+        byte = packed[tile, 256 * block + 32 * v + 4 * row + j].item()
+        assert byte == codes[8 * tile + row, 32 * block + 4 * v + j].item() + 128
+    assert (packed[1].view(2, 8, 8, 4)[:, :, 3:] == 128).all()  # padding rows
+    scale = torch.rand(11, 2) + 0.5
+    lin = W8A8Linear(codes, scale, None, torch.float32)
+    assert torch.equal(lin.codes(), codes) and torch.equal(lin.scale, scale.half())
+    assert torch.equal(lin.dequantize(), codes.float() * scale.half().float().repeat_interleave(32, dim=1))
+    with pytest.raises(ValueError, match="int8"):
+        W8A8Linear(codes.to(torch.int16), scale, None)
+    with pytest.raises(ValueError, match="one per 32"):
+        W8A8Linear(codes, torch.ones(11, 1), None)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("n", [8, 13, 72])
 def test_tiles_any_row_count_and_batch_invariant(cls, n):
     """Rows in tiles of 8 (a padded last tile for 13): every row count M gives each row the bits of M = 1."""
@@ -308,18 +329,27 @@ def test_real_05b_q5_0_layers_load_exactly():
     assert torch.equal(gate_up.dequantize()[:n], want)  # gate rows first, exactly the file's weights
 
 
-@pytest.mark.parametrize("cls,top", [(W4A8Linear, 15), (W5A8Linear, 31), (W6A8Linear, 63)])
-def test_tiles_largest_codes_do_not_overflow_int16(cls, top):
-    """Every code at its maximum against activations all +-127: the int16 partial sums are at their
-    bound (q4: 8 * 2 * 15 * 127, q5: 4 * 2 * 31 * 127, q6: 2 * 2 * 63 * 127) and must not wrap."""
-    codes = torch.full((8, 64), top, dtype=torch.uint8)
+@pytest.mark.parametrize("build", qk.supported_isas())
+@pytest.mark.parametrize("cls,top", [(W4A8Linear, 15), (W5A8Linear, 31), (W6A8Linear, 63), (W8A8Linear, 127),
+                                     (W8A8Linear, -127), (W8A8Linear, -128)])
+def test_tiles_largest_codes_do_not_overflow_int16(cls, top, build, monkeypatch):
+    """Every code at its extreme against activations all +-127, in every build this CPU runs: the int16 partial
+    sums are at their bound (q4: 8 * 2 * 15 * 127, q5: 4 * 2 * 31 * 127, q6: 2 * 2 * 63 * 127, q8 without
+    VNNI: 2 * 128 * 127) and must not wrap; q8 with VNNI starts each sum at -128 * sum(xq)."""
+    lib = qk.load(build)
+    monkeypatch.setattr(qk, "_lib", lambda: lib)
     if cls is W4A8Linear:
-        lin = W4A8Linear(codes, torch.ones(8, 2), torch.zeros(8, 2), None, torch.float32)
+        lin = W4A8Linear(torch.full((16, 64), top, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2), None,
+                         torch.float32)
+    elif cls is W8A8Linear:
+        lin = W8A8Linear(torch.full((16, 64), top, dtype=torch.int8), torch.ones(16, 2), None, torch.float32)
     else:
-        lin = cls(codes, torch.ones(8, 64 // getattr(cls, "SUB", 32)), None, torch.float32)
+        lin = cls(torch.full((16, 64), top, dtype=torch.uint8), torch.ones(16, 64 // cls.SUB), None, torch.float32)
     for sign in (1.0, -1.0):
         x = torch.full((1, 64), sign)
         torch.testing.assert_close(lin(x), lin.ref_forward(x), rtol=0, atol=0)
+        x8 = x.expand(8, 64).contiguous()  # the multi-row kernels (16 weight rows: a pair of tiles on AVX-512)
+        torch.testing.assert_close(lin(x8), lin.ref_forward(x8), rtol=0, atol=0)
 
 
 def random_q6k_blocks(n_blocks: int, seed: int) -> np.ndarray:
@@ -385,8 +415,7 @@ def test_vnni_builds_give_the_avx2_bits(build, monkeypatch):
     for cls in CLASSES:
         # 40 rows: 5 tiles (the AVX-512 build's pairs plus an odd tile); 44: 6 tiles, the last pair
         # 12 rows. M: 1 to 8 rows in one pass, then 9 and 13 in two.
-        # K = 288, 352, 896: a q8 row's last group holds 1, 3 or 4 of its 8 blocks (a half-empty q4 pair
-        # at 40 rows, a half group at the end at 44).
+        # K = 288, 352, 896: 9, 11 and 28 blocks (a half-empty pair of tiles at 40 rows).
         for n, k in ((40, 288), (24, 352), (44, 896)):
             lin = cls.from_float(torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.bfloat16)
             for m in (1, 3, 5, 8, 9, 13):

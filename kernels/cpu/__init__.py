@@ -204,20 +204,21 @@ def ref_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 BLOCK_FORMATS = {"q4": 1, "q8": 2, "q5": 3, "q6": 4}  # as LinearDesc.kind
 
 
-def linear(
-    x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor | None = None, fmt: str = "q8", n: int | None = None
-) -> Tensor:
+def linear(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor | None, fmt: str, n: int) -> Tensor:
     """y [M, N] = x [M, K] @ W^T in x's dtype, W in blocks of 32 along K with fp16 scales:
 
     * "q4": W = scale * q + offset, codes 0..15 in tiles of 8 rows (N zero-padded to whole tiles):
       qweight [ceil(N/8), K/32 * 128], scale and offset fp16 [ceil(N/8), K/32, 8] (see
-      ssd.workers.models.blockquant.W4A8Linear.pack); `n` gives N;
+      ssd.workers.models.blockquant.W4A8Linear.pack);
     * "q5": W = scale * (q - 16), codes 0..31 in the same tiles plus a plane of fifth bits:
-      qweight [ceil(N/8), K/32 * 160], scale as q4's (see W5A8Linear.pack); `n` gives N;
+      qweight [ceil(N/8), K/32 * 160], scale as q4's (see W5A8Linear.pack);
     * "q6": W = scale * (q - 32), codes 0..63 in the same tiles plus two planes of high bits, a scale
       per 16 weights: qweight [ceil(N/8), K/32 * 192], scale fp16 [ceil(N/8), K/16, 8] (see
-      W6A8Linear.pack); `n` gives N;
-    * "q8": W = scale * q, qweight int8 [N, K], scale [N, K/32].
+      W6A8Linear.pack);
+    * "q8": W = scale * q, codes -127..127 stored as q + 128 in the same tiles, whole bytes:
+      qweight [ceil(N/8), K/32 * 256], scale as q4's (see W8A8Linear.pack).
+
+    `n` gives N (the tiles are zero-padded to whole tiles).
 
     x must be a contiguous fp32/bf16 CPU tensor with K a multiple of 32 (the layers check once, at
     build time).
@@ -226,10 +227,7 @@ def linear(
         raise ValueError(f"unknown block format {fmt!r}; one of {', '.join(BLOCK_FORMATS)}")
     if (fmt == "q4") != (offset is not None):
         raise ValueError("q4 weights need an offset, and only q4 weights take one")
-    if (fmt == "q8") == (n is not None):
-        raise ValueError("q4, q5 and q6 weights (in tiles of 8 rows) need n, and q8 weights take none")
     m, k = x.shape
-    n = qweight.shape[0] if n is None else n
     y = torch.empty(m, n, dtype=x.dtype)
     _require().ssd_linear(
         x.data_ptr(), m, n, k, qweight.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(),

@@ -3,7 +3,8 @@
 //
 // Weights come in blocks of 32 along K with fp16 scales (formats numbered as SsdLinear.kind):
 //   q4 (1): w = s * q + o,    q in 0..15, rows in tiles of 8 (below)
-//   q8 (2): w = s * q,        q in -127..127 (32 bytes per block)
+//   q8 (2): w = s * q,        q in -127..127, in q4's tiles as whole bytes q + 128 (256 bytes per tile
+//           and block: vector v holds codes 4v..4v+3 of row r at bytes 4r..4r+3)
 //   q5 (3): w = s * (q - 16), q in 0..31 (GGUF Q5_0): q4's tiles plus a plane of fifth bits
 //   q6 (4): w = s * (q - 32), q in 0..63, a scale per 16 weights (GGUF Q6_K): q4's tiles plus two
 //           planes of high bits
@@ -27,10 +28,12 @@
 // the half). Unpacking is shared by all activation rows of a pass. With scales (and offsets) a
 // weight costs 5 bits (q4), 5.5 (q5) or 7 (q6), and rows need no padding along K.
 //
-// q8 goes row by row: per group of 8 blocks the 8 integer sums are gathered into one vector by
-// unpacks and adds (exact), then one cvt + fma with the 8 block scales s * dx. Activation rows are
-// padded with zeros to whole groups, so a short last group needs no special case: its missing
-// blocks add exact zeros.
+// q8 tiles hold whole bytes u = q + 128 (dpbusd takes its weights unsigned), read without unpacking; each
+// row's block sum starts from -128 * sum(xq) (an exact integer per activation row and block), so it ends
+// as sum(q * xq) exactly. Without VNNI the codes go back to signed and their signs move onto the
+// activations (maddubs of |q| and sign(x, q), widened per vector). No offset: acc = fma(s * dx, sum, acc)
+// per block, 8.5 bits per weight. (Row by row, as q8 ran before session 30, it reached a third of the
+// tiles' multiply-add rate in 8- to 16-row products: every block's lanes had to be summed.)
 //
 // Row independence: every output element y[m, n] is computed by the same sequence of floating-point
 // operations whatever M is and whichever rows share a chunk (the chunk only decides how many rows
@@ -41,9 +44,8 @@
 // The AVX-512 build runs two tiles at once in 512-bit vectors (tile2_dot) for products of 3 or more
 // rows (fewer: tile_dot, see tile_gemm_part), up to 8 activation rows per
 // pass: each lane does what tile_dot does for its row, so the bits are the same as the other builds'.
-// Its q8 rows take two blocks per vector (row_dot_q8_512), with the same integer sums and float steps.
 //
-// Threads: the N outputs are split into contiguous ranges (q4, q5: of whole tiles), one per OpenMP thread
+// Threads: the N outputs are split into contiguous ranges of whole tiles, one per OpenMP thread
 // (the caller passes torch.get_num_threads(); torch's own libgomp serves the pragma, so there is one
 // thread pool). Each kernel's `_part` does thread t's range; the entry points run it in a parallel region of
 // their own, ssd_decoder_layers runs all of a forward's stages in one region (ssd_team::linear).
@@ -60,7 +62,6 @@
 namespace {
 
 constexpr int QK = 32;
-constexpr int MC = 8;  // activation rows sharing one pass over a weight row
 constexpr int FMT_Q4 = 1, FMT_Q8 = 2, FMT_Q5 = 3, FMT_Q6 = 4;
 
 // sum + (4 adjacent u8 x s8 products) per int32 lane in one VNNI instruction, where the CPU has it
@@ -81,15 +82,6 @@ inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-// Integer lane sums by unpack-and-add transposes (phaddd costs ~4x an unpack here); integer adds are
-// exact, so the grouping cannot change a result. Lane l of the result is sum4(d[l % 4], half l / 4):
-// the sum of the four lanes of d[l % 4]'s 128-bit half l / 4.
-inline __m256i sum4_halves(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
-    const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(d0, d1), _mm256_unpackhi_epi32(d0, d1));
-    const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(d2, d3), _mm256_unpackhi_epi32(d2, d3));
-    return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
 }
 
 // sum_i a[i] * b[i]: 8 lanes, then the tail; a fixed order for a given n.
@@ -127,153 +119,30 @@ struct QActs {
     float* sx;
     float* sx16;
     int nbp;
-    uint8_t* xu;  // xq + 128 as unsigned bytes (AVX-512 q8 path: no byte sign instruction), or nullptr
+    int32_t* xs;  // sum(xq) per row and block (q8: where its dot products start), or nullptr
 };
 
 inline size_t act_at(const QActs& a, int m, int b) { return static_cast<size_t>(m) * a.nbp + b; }
 
 // Zeroed activations (the padding blocks stay zero) of M rows of K.
-QActs alloc_acts(int M, int K, bool halves, bool unsigned_too) {
+QActs alloc_acts(int M, int K, bool halves, bool sums) {
     const int nbp = (K / QK + 7) / 8 * 8;
     const size_t n = static_cast<size_t>(M) * nbp;
     QActs a{static_cast<int8_t*>(calloc(n * QK, 1)), static_cast<float*>(calloc(n, sizeof(float))),
             static_cast<float*>(calloc(n, sizeof(float))),
-            halves ? static_cast<float*>(calloc(n * 2, sizeof(float))) : nullptr, nbp, nullptr};
-    if (unsigned_too) {  // zero codes offset to unsigned: the padding blocks
-        a.xu = static_cast<uint8_t*>(malloc(n * QK));
-        memset(a.xu, 128, n * QK);
-    }
+            halves ? static_cast<float*>(calloc(n * 2, sizeof(float))) : nullptr, nbp,
+            sums ? static_cast<int32_t*>(calloc(n, sizeof(int32_t))) : nullptr};
     return a;
 }
 
 void free_acts(QActs& a) {
-    free(a.xu);
+    free(a.xs);
     free(a.xq);
     free(a.dx);
     free(a.sx);
     free(a.sx16);
 }
 
-// 8 fp16 scales from `src` (only `cnt` exist; the rest read as 0) as fp32.
-inline __m256 load_scales(const uint16_t* src, int cnt) {
-    if (cnt == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    alignas(16) uint16_t h[8] = {};
-    memcpy(h, src, sizeof(uint16_t) * cnt);
-    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
-}
-
-// sum(q * xq) of one q8 block, 8 lanes still to add up: the weights' signs move onto the activations
-// so that maddubs sees |q| as its unsigned operand.
-inline __m256i q8_block_dot(const __m256i& wabs, const __m256i& wq, const int8_t* x) {
-    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), wq);
-#if SSD_VNNI
-    return dpbusd(_mm256_setzero_si256(), wabs, xs);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
-#endif
-}
-
-// Runs group(weights, g, cnt) over a q8 row's groups of 8 blocks (g: the first block); a short last group
-// reads a zero-padded copy, so its absent blocks add exact zeros.
-template <class Group>
-inline void q8_groups(const uint8_t* w, int nb, Group group) {
-    const int full = nb / 8 * 8;
-    for (int g = 0; g < full; g += 8) group(w + static_cast<size_t>(g) * 32, g, 8);
-    if (full < nb) {
-        alignas(64) uint8_t tail[8 * 32] = {};
-        memcpy(tail, w + static_cast<size_t>(full) * 32, static_cast<size_t>(nb - full) * 32);
-        group(tail, full, nb - full);
-    }
-}
-
-// One q8 weight row against R activation rows from `a` (starting at row m0). A short last
-// group reads a zero-padded copy: absent blocks add exact zeros.
-template <int R>
-inline void row_dot_q8(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0, int nb, float* out,
-                       const uint8_t* pf) {
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    // One group: weights wg, cnt of its 8 blocks present (whole groups pass a constant 8).
-    auto group = [&](const uint8_t* wg, int g, int cnt) {
-        if (pf != nullptr)
-            for (int p = 0; p < 256; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 32 + p, _MM_HINT_T0);
-        auto block = [&](int j, const int8_t* x) {
-            const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg) + j);
-            return q8_block_dot(_mm256_abs_epi8(wq), wq, x + 32 * j);
-        };
-        const __m256 s8 = load_scales(sc + g, cnt);
-#pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-            const size_t at = act_at(a, m0 + i, g);
-            const int8_t* x = a.xq + at * QK;
-            // Lanes of q0: low halves of blocks 0..3, then their high halves; q1: blocks 4..7.
-            const __m256i q0 = sum4_halves(block(0, x), block(1, x), block(2, x), block(3, x));
-            const __m256i q1 = sum4_halves(block(4, x), block(5, x), block(6, x), block(7, x));
-            const __m256i dots =
-                _mm256_add_epi32(_mm256_blend_epi32(q0, q1, 0xF0), _mm256_permute2x128_si256(q0, q1, 0x21));
-            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
-        }
-    };
-    q8_groups(w, nb, group);
-    for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define SSD_Q8_512 1
-// row_dot_q8 in 512-bit vectors (the avx512vnni build), two blocks per vector. AVX-512 has no byte
-// sign instruction, so the activations come offset to unsigned (xu = xq + 128) and each vector's
-// dot product starts from -128 * sum(w), computed once per weight vector for all activation rows:
-// dpbusd(-128 sum(w), xu, w) = sum(xq * w) exactly. The 8 block sums of a group are then gathered
-// into the lane order row_dot_q8 uses and go through the same float steps, so the bits are the same.
-template <int R>
-inline void row_dot_q8_512(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0, int nb, float* out,
-                           const uint8_t* pf) {
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    auto group = [&](const uint8_t* wg, int g, int cnt) {
-        if (pf != nullptr)
-            for (int p = 0; p < 256; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf) + g * 32 + p, _MM_HINT_T0);
-        // A short last group loads its blocks with a zeroing mask and skips the vectors it lacks (their
-        // sums are the exact zeros a zero-padded copy would give).
-        const int vecs = (cnt + 1) / 2;
-        __m512i wv[4], init[4];
-        for (int j = 0; j < 4; ++j) {
-            if (j >= vecs) {
-                wv[j] = init[j] = _mm512_setzero_si512();
-                continue;
-            }
-            wv[j] = 2 * j + 1 < cnt ? _mm512_loadu_si512(wg + 64 * j) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, wg + 64 * j);
-            init[j] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv[j]));
-        }
-        const __m256 s8 = load_scales(sc + g, cnt);
-#pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-            const size_t at = act_at(a, m0 + i, g);
-            const uint8_t* x = a.xu + at * QK;
-            __m512i d[4];
-            for (int j = 0; j < 4; ++j)
-                d[j] = j < vecs ? _mm512_dpbusd_epi32(init[j], _mm512_loadu_si512(x + 64 * j), wv[j]) : init[j];
-            // Per 128-bit lane L, lane k of s: the sum of d[k]'s 4 lanes in L (blocks 2k: L = 0, 1; 2k + 1: 2, 3).
-            const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
-            const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
-            const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
-            const __m256i lo = _mm512_castsi512_si256(s), hi = _mm512_extracti64x4_epi64(s, 1);
-            // [blocks 0, 2, 4, 6 | 1, 3, 5, 7], then into block order.
-            const __m256i eo = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
-            const __m256i dots = _mm256_permutevar8x32_epi32(eo, order);
-            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(a.dx + at)), _mm256_cvtepi32_ps(dots), acc[i]);
-        }
-    };
-    const int full = nb / 8 * 8;
-    for (int g = 0; g < full; g += 8) group(w + static_cast<size_t>(g) * 32, g, 8);
-    if (full < nb) group(w + static_cast<size_t>(full) * 32, full, nb - full);
-    for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
-}
-#else
-#define SSD_Q8_512 0
-#endif
 
 // Rows n0..n0+7 (one tile: codes w [nb, block_bytes], fp16 scales sc [nb, parts, 8] and q4 offsets
 // oc [nb, 8]) against R activation rows from `a` (starting at row m0): out[i * 8 + r] =
@@ -281,7 +150,7 @@ inline void row_dot_q8_512(const uint8_t* w, const uint16_t* sc, const QActs& a,
 // contiguous, so a pass reading ahead also warms the next tile.
 // Bytes per tile and block (nibbles + high-bit planes), and scales per block (q6: one per 16 weights).
 template <int FMT>
-constexpr int TILE_BLOCK_BYTES = FMT == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : 192;
+constexpr int TILE_BLOCK_BYTES = FMT == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : FMT == FMT_Q6 ? 192 : 256;
 template <int FMT>
 constexpr int SCALE_PARTS = FMT == FMT_Q6 ? 2 : 1;
 
@@ -330,11 +199,19 @@ inline __m512i v_bytes<__m512i>(char c) { return _mm512_set1_epi8(c); }
 
 // One block's codes for scale part `part`: lo[cc] / hi[cc] = the low / high nibbles of chunk
 // part * chunks + cc, with the high-bit planes (q5: bit 4; q6: bits 4-5 of vector v) moved into place
-// by 16-bit shifts (no bit crosses into the masked bits of the other byte). `load(off)`: the 32 bytes
-// at offset `off` of the block, of one tile or of two (V).
+// by 16-bit shifts (no bit crosses into the masked bits of the other byte); q8's vectors 2c and 2c + 1
+// as stored. `load(off)`: the 32 bytes at offset `off` of the block, of one tile or of two (V).
 template <int FMT, class V, class Load>
 inline void unpack_codes(Load load, int part, V* lo, V* hi) {
     constexpr int chunks = 4 / SCALE_PARTS<FMT>;
+    if constexpr (FMT == FMT_Q8) {
+#pragma GCC unroll 4
+        for (int c = 0; c < chunks; ++c) {
+            lo[c] = load(64 * c);
+            hi[c] = load(64 * c + 32);
+        }
+        return;
+    }
     const V mask = v_bytes<V>(0x0F), high_mask = v_bytes<V>(FMT == FMT_Q6 ? 0x30 : 0x10);
     V plane[2] = {v_bytes<V>(0), v_bytes<V>(0)};
     if (FMT != FMT_Q4) plane[0] = load(128);
@@ -377,12 +254,21 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
             // 4 * 2 * 31 * 127; q6: after 2, 2 * 2 * 63 * 127). The part's codes are unpacked first and
             // then run against one activation row after another: interleaving rows and chunks instead
             // made GCC spill the products (~10-15 % slower at 4-8 rows).
-            __m256i sum16[R], sum32[R];
-            for (int i = 0; i < R; ++i) sum16[i] = sum32[i] = _mm256_setzero_si256();
-            __m256i lo[chunks], hi[chunks];
-            unpack_codes<FMT>(load, part, lo, hi);
             const size_t at0 = act_at(a, m0, b), rs = a.nbp;  // the pass's rows of block b, nbp blocks apart
             const int8_t* xb = a.xq + at0 * QK;
+            __m256i sum16[R], sum32[R];
+            for (int i = 0; i < R; ++i) {
+                sum16[i] = _mm256_setzero_si256();
+                // q8 with VNNI: the unsigned codes' sum starts at -128 sum(xq) (see the top of this file).
+                sum32[i] = FMT == FMT_Q8 && SSD_VNNI ? _mm256_set1_epi32(-128 * a.xs[at0 + rs * i]) : sum16[i];
+            }
+            __m256i lo[chunks], hi[chunks];
+            unpack_codes<FMT>(load, part, lo, hi);
+            if (FMT == FMT_Q8 && !SSD_VNNI)  // maddubs cannot take u = q + 128: back to signed codes
+                for (int cc = 0; cc < chunks; ++cc) {
+                    lo[cc] = _mm256_xor_si256(lo[cc], _mm256_set1_epi8(static_cast<char>(0x80)));
+                    hi[cc] = _mm256_xor_si256(hi[cc], _mm256_set1_epi8(static_cast<char>(0x80)));
+                }
 #pragma GCC unroll 4
             for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 4
@@ -399,6 +285,14 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
                     sum32[i] = dpbusd(sum32[i], lo[cc], _mm256_set1_epi32(x_lo));
                     sum16[i] = dpbusd(sum16[i], hi[cc], _mm256_set1_epi32(x_hi));
 #else
+                    if constexpr (FMT == FMT_Q8) {  // |q| x sign(x, q): two products fit an int16 lane, four do not
+                        (void)widen;
+                        const __m256i ones16 = _mm256_set1_epi16(1);
+                        const __m256i pl = _mm256_maddubs_epi16(_mm256_abs_epi8(lo[cc]), _mm256_sign_epi8(_mm256_set1_epi32(x_lo), lo[cc]));
+                        const __m256i ph = _mm256_maddubs_epi16(_mm256_abs_epi8(hi[cc]), _mm256_sign_epi8(_mm256_set1_epi32(x_hi), hi[cc]));
+                        sum32[i] = _mm256_add_epi32(sum32[i], _mm256_add_epi32(_mm256_madd_epi16(pl, ones16), _mm256_madd_epi16(ph, ones16)));
+                        continue;
+                    }
                     sum16[i] = _mm256_add_epi16(sum16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo[cc], _mm256_set1_epi32(x_lo)),
                                                                            _mm256_maddubs_epi16(hi[cc], _mm256_set1_epi32(x_hi))));
                     if (widen) {
@@ -412,14 +306,19 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
             for (int i = 0; i < R; ++i) sum32[i] = _mm256_add_epi32(sum32[i], sum16[i]);
 #endif
             const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * parts + part) * 8)));
-            const __m256 o8 = FMT == FMT_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oc + b * 8)))
-                                            : _mm256_mul_ps(s8, _mm256_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
+            __m256 o8 = _mm256_setzero_ps();
+            if constexpr (FMT == FMT_Q4)
+                o8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oc + b * 8)));
+            else if constexpr (FMT != FMT_Q8)
+                o8 = _mm256_mul_ps(s8, _mm256_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
 #pragma GCC unroll 4
             for (int i = 0; i < R; ++i) {
                 const size_t at = at0 + rs * i;
-                const float sx = FMT == FMT_Q6 ? a.sx16[2 * at + part] : a.sx[at];
                 acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_set1_ps(a.dx[at])), _mm256_cvtepi32_ps(sum32[i]), acc[i]);
-                acc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(sx), acc[i]);
+                if constexpr (FMT != FMT_Q8) {
+                    const float sx = FMT == FMT_Q6 ? a.sx16[2 * at + part] : a.sx[at];
+                    acc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(sx), acc[i]);
+                }
             }
         }
     }
@@ -479,8 +378,11 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
             __m512i lo[chunks], hi[chunks];
             unpack_codes<FMT>(load, part, lo, hi);
             const __m512 s16 = load_half2(sa + (b * parts + part) * 8, sb + (b * parts + part) * 8);
-            const __m512 o16 = FMT == FMT_Q4 ? load_half2(oa + b * 8, ob + b * 8)
-                                             : _mm512_mul_ps(s16, _mm512_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
+            __m512 o16 = _mm512_setzero_ps();
+            if constexpr (FMT == FMT_Q4)
+                o16 = load_half2(oa + b * 8, ob + b * 8);
+            else if constexpr (FMT != FMT_Q8)
+                o16 = _mm512_mul_ps(s16, _mm512_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
             // The pass's rows of block b, nbp blocks apart: computed from one pointer each (not per row,
             // which took ~40 % of the instructions of q6's 8-row loop, half of them stack spills).
             const size_t at0 = act_at(a, m0, b), rs = a.nbp;
@@ -489,7 +391,9 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
             const float* sxb = FMT == FMT_Q6 ? a.sx16 + 2 * at0 + part : a.sx + at0;
 #pragma GCC unroll 8
             for (int i = 0; i < R; ++i) {
-                __m512i sum_lo = _mm512_setzero_si512(), sum_hi = _mm512_setzero_si512();
+                // q8: the unsigned codes' sum starts at -128 sum(xq) (see the top of this file).
+                __m512i sum_lo = FMT == FMT_Q8 ? _mm512_set1_epi32(-128 * a.xs[at0 + rs * i]) : _mm512_setzero_si512();
+                __m512i sum_hi = _mm512_setzero_si512();
                 const int8_t* x = xb + QK * rs * i;
 #pragma GCC unroll 4
                 for (int cc = 0; cc < chunks; ++cc) {
@@ -499,10 +403,10 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
                     else  // 5-8 rows are enough independent chains; one saves the add
                         sum_lo = dpbusd_bcast(sum_lo, hi[cc], x + 8 * cc + 4);
                 }
-                const float sx = sxb[(FMT == FMT_Q6 ? 2 : 1) * rs * i];
                 const __m512i sum = R <= 4 ? _mm512_add_epi32(sum_lo, sum_hi) : sum_lo;
                 acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s16, _mm512_set1_ps(dxb[rs * i])), _mm512_cvtepi32_ps(sum), acc[i]);
-                acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(sx), acc[i]);
+                if constexpr (FMT != FMT_Q8)
+                    acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(sxb[(FMT == FMT_Q6 ? 2 : 1) * rs * i]), acc[i]);
             }
         }
     }
@@ -609,61 +513,6 @@ void tile_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* off
 #endif
     single_tiles<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, t0, t1);
 }
-
-// The build's q8 row kernel.
-template <int R>
-inline void q8_row(const uint8_t* w, const uint16_t* sc, const QActs& a, int m0, int nb, float* out, const uint8_t* pf) {
-#if SSD_Q8_512
-    row_dot_q8_512<R>(w, sc, a, m0, nb, out, pf);
-#else
-    row_dot_q8<R>(w, sc, a, m0, nb, out, pf);
-#endif
-}
-
-// q8: one weight row at a time, up to MC activation rows per pass; thread t of nt takes its share of rows.
-void block_gemm_q8_part(const uint8_t* w, const uint16_t* scale, const QActs& a, int M, int N, int K, void* y,
-                        int y_bf16, int t, int nt) {
-    const int nb = K / QK;
-    const size_t row_bytes = K;
-    {
-        const int n0 = static_cast<int>(static_cast<int64_t>(N) * t / nt);
-        const int n1 = static_cast<int>(static_cast<int64_t>(N) * (t + 1) / nt);
-        float part[MC];
-        // Short rows (K ~ 1000: a few hundred bytes) leave the hardware prefetcher restarting on every
-        // row, so each row also prefetches one ~8 KiB further on (and its scales).
-        const int ahead = row_bytes >= 8192 ? 1 : static_cast<int>(8192 / row_bytes);
-        for (int n = n0; n < n1; ++n) {
-            const uint8_t* pf = n + ahead < N ? w + static_cast<size_t>(n + ahead) * row_bytes : nullptr;
-            if (pf != nullptr) {
-                const size_t at = static_cast<size_t>(n + ahead) * nb;
-                for (int p = 0; p < nb * 2; p += 64) _mm_prefetch(reinterpret_cast<const char*>(scale + at) + p, _MM_HINT_T0);
-            }
-            const uint8_t* wr = w + static_cast<size_t>(n) * row_bytes;
-            const uint16_t* sr = scale + static_cast<size_t>(n) * nb;
-            for (int m0 = 0; m0 < M; m0 += MC) {
-                const uint8_t* p = m0 == 0 ? pf : nullptr;
-                switch (M - m0 < MC ? M - m0 : MC) {
-                    case 1: q8_row<1>(wr, sr, a, m0, nb, part, p); break;
-                    case 2: q8_row<2>(wr, sr, a, m0, nb, part, p); break;
-                    case 3: q8_row<3>(wr, sr, a, m0, nb, part, p); break;
-                    case 4: q8_row<4>(wr, sr, a, m0, nb, part, p); break;
-                    case 5: q8_row<5>(wr, sr, a, m0, nb, part, p); break;
-                    case 6: q8_row<6>(wr, sr, a, m0, nb, part, p); break;
-                    case 7: q8_row<7>(wr, sr, a, m0, nb, part, p); break;
-                    default: q8_row<8>(wr, sr, a, m0, nb, part, p); break;
-                }
-                for (int i = 0; i < MC && m0 + i < M; ++i) {
-                    const size_t at = static_cast<size_t>(m0 + i) * N + n;
-                    if (y_bf16)
-                        static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[i]);
-                    else
-                        static_cast<float*>(y)[at] = part[i];
-                }
-            }
-        }
-    }
-}
-
 
 // -- dense GEMM: fp32 or bf16 weights, fp32 accumulation -------------------------------------------
 //
@@ -808,7 +657,7 @@ namespace {
 // One block of 32 activations (from element `at` of x) to int8: q = round_half_even(x * (1 / d)), d = absmax / 127
 // (an all-zero block gives d = 0, q = 0), s = d * sum(q); with `halves`, d * sum(q) of each half of 16 as well.
 inline void quantize_block(const void* x, int x_bf16, size_t at, int8_t* q_out, float& d_out, float& s_out,
-                           float* halves) {
+                           float* halves, int32_t* isum) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 v[4];
     for (int j = 0; j < 4; ++j)
@@ -842,6 +691,7 @@ inline void quantize_block(const void* x, int x_bf16, size_t at, int8_t* q_out, 
     const int lo = sum8(_mm256_add_epi32(q[0], q[1])), hi = sum8(_mm256_add_epi32(q[2], q[3]));
     d_out = d;
     s_out = d * static_cast<float>(lo + hi);
+    if (isum != nullptr) *isum = lo + hi;
     if (halves != nullptr) {
         halves[0] = d * static_cast<float>(lo);
         halves[1] = d * static_cast<float>(hi);
@@ -859,7 +709,7 @@ void ssd_quantize_rows(const void* x, int x_bf16, int M, int K, int8_t* xq, floa
     for (int m = 0; m < M; ++m)
         for (int b = 0; b < nb; ++b) {
             const size_t at = static_cast<size_t>(m) * nb + b;
-            quantize_block(x, x_bf16, at * QK, xq + at * QK, dx[at], sx[at], nullptr);
+            quantize_block(x, x_bf16, at * QK, xq + at * QK, dx[at], sx[at], nullptr, nullptr);
         }
 }
 
@@ -876,16 +726,12 @@ void quantize_into(const void* x, int bf16, int M, int K, QActs& a, int t, int n
         const size_t at = act_at(a, m, b);
         int8_t* q = a.xq + at * QK;
         quantize_block(x, bf16, static_cast<size_t>(i) * QK, q, a.dx[at], a.sx[at],
-                       a.sx16 != nullptr ? a.sx16 + 2 * at : nullptr);
-        if (a.xu != nullptr) {  // q + 128 as unsigned: the sign bit flipped
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.xu + at * QK), _mm256_xor_si256(v, _mm256_set1_epi8(-128)));
-        }
+                       a.sx16 != nullptr ? a.sx16 + 2 * at : nullptr, a.xs != nullptr ? a.xs + at : nullptr);
     }
 }
 
 // Activations as the block GEMM of format fmt reads them.
-QActs acts_for(int M, int K, int fmt) { return alloc_acts(M, K, fmt == FMT_Q6, fmt == FMT_Q8 && SSD_Q8_512); }
+QActs acts_for(int M, int K, int fmt) { return alloc_acts(M, K, fmt == FMT_Q6, fmt == FMT_Q8); }
 
 // Thread t of nt: its share of the outputs of the block GEMM of format fmt.
 void block_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, int fmt, const QActs& a, int M,
@@ -897,7 +743,7 @@ void block_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* of
     else if (fmt == FMT_Q6)
         tile_gemm_part<FMT_Q6>(w, scale, nullptr, a, M, N, K, y, bf16, t, nt);
     else
-        block_gemm_q8_part(w, scale, a, M, N, K, y, bf16, t, nt);
+        tile_gemm_part<FMT_Q8>(w, scale, nullptr, a, M, N, K, y, bf16, t, nt);
 }
 
 // x's rows in fp32 as dense_tile reads them, and the bias in fp32 (nullptr without one).
@@ -985,7 +831,7 @@ inline void pv_columns(const float* p, const float* vf, int L, int hd, float* ou
 extern "C" {
 
 // y [M, N] = x [M, K] @ W^T: quantise x's rows (as ssd_quantize_rows), then the block GEMM.
-// x and y share one dtype (bf16 when bf16, else fp32). fmt: 1 q4 (tiles, with offsets), 2 q8, 3 q5,
+// x and y share one dtype (bf16 when bf16, else fp32). fmt (all in tiles): 1 q4 (with offsets), 2 q8, 3 q5,
 // 4 q6 (offset nullptr); see the top of this file.
 void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint16_t* scale,
                 const uint16_t* offset, int fmt, void* y, int bf16, int nthreads) {

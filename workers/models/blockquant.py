@@ -3,13 +3,14 @@
 * `W4A8Linear`: w = scale * q + offset per block of 32 inputs, q in 0..15, fp16 scale and offset
   (5 bits per weight; a GGUF Q4_K sub-block keeps its codes, only d*sc and -dmin*m are rounded to
   fp16).
-* `W8A8Linear`: w = scale * q per block of 32, q in -127..127, fp16 scale (8.5 bits per weight).
+* `W8A8Linear`: w = scale * q per block of 32, q in -127..127, fp16 scale (8.5 bits per weight),
+  stored as q + 128 in tiles.
 * `W5A8Linear`: w = scale * (q - 16) per block of 32, q in 0..31, fp16 scale: GGUF Q5_0 exactly,
   at 5.5 bits per weight.
 * `W6A8Linear`: w = scale * (q - 32) per 16 weights, q in 0..63, fp16 scale: GGUF Q6_K up to the
   fp16 rounding of d * sc, at 7 bits per weight.
 
-W4A8, W5A8 and W6A8 interleave 8 weight rows (tiles), so one multiply-add covers all of them.
+All four interleave 8 weight rows (tiles), so one multiply-add covers all of them.
 
 Activations are quantised per row and block of 32 to int8 (dx = absmax / 127) inside the kernel,
 as llama.cpp does for its Q4/Q8 dot products, so every block product is an exact integer sum. That
@@ -289,35 +290,6 @@ class W4A8Linear(_TiledLinear):
         return w.view(self.out_features, self.in_features)
 
 
-class W8A8Linear(_BlockLinear):
-    """int8 codes [N, K], fp16 scale [N, K/32]."""
-
-    def __init__(
-        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-        act_dtype: torch.dtype = torch.bfloat16,
-    ) -> None:
-        super().__init__()
-        n, k = qweight.shape
-        self._setup(n, k, bias, act_dtype)
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scale_bits", _fp16(scale).view(torch.int16))
-
-    @classmethod
-    def from_float(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
-    ) -> W8A8Linear:
-        """Round to nearest, symmetric per block: scale = absmax / 127 rounded up to fp16 (no code clamps)."""
-        q, scale = _round_symmetric(weight, 127)
-        return cls(q, scale, bias, act_dtype or weight.dtype)
-
-    def dequantize(self) -> torch.Tensor:
-        w = self.qweight.float().view(self.out_features, -1, QK) * self.scale.float()[..., None]
-        return w.view(self.out_features, self.in_features)
-
-    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        return qk.linear(x2, self.qweight, self.scale, fmt="q8")
-
-
 class W5A8Linear(_TiledLinear):
     """q5 codes (0..31, w = scale * (q - 16)) in tiles of 8 rows, fp16 scale: per tile and block the
     low 4 bits as W4A8Linear packs them, then 32 bytes of fifth bits (see `pack`)."""
@@ -368,6 +340,62 @@ class W6A8Linear(_TiledLinear):
         return (q * self.scale.float()[..., None]).view(self.out_features, self.in_features)
 
 
+class W8A8Linear(_TiledLinear):
+    """int8 codes (w = scale * q, q in -127..127) in tiles of 8 rows as whole bytes q + 128, fp16 scale:
+    per tile and block 8 vectors of 32 bytes, vector v holding codes 4v..4v+3 of row r at bytes 4r..4r+3
+    (the order in which the q4 kernel reads its unpacked nibbles), 8.5 bits per weight."""
+
+    FMT = "q8"
+
+    def __init__(
+        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+        act_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        """qweight int8 [N, K] (the signed codes), scale [N, K/32]."""
+        nn.Module.__init__(self)
+        if qweight.dtype != torch.int8 or qweight.dim() != 2:
+            raise ValueError(f"q8 codes must be an int8 [N, K] tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+        if scale.shape != (qweight.shape[0], qweight.shape[1] // QK):
+            raise ValueError(f"q8 scales {tuple(scale.shape)} do not fit codes {tuple(qweight.shape)}: one per {QK}")
+        n, k = qweight.shape
+        self._setup(n, k, bias, act_dtype)
+        self.register_buffer("qweight", self.pack(qweight))
+        self.register_buffer("scale_bits", self._tiled(_fp16(scale)).view(torch.int16))
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
+    ) -> W8A8Linear:
+        """Round to nearest, symmetric per block: scale = absmax / 127 rounded up to fp16 (no code clamps)."""
+        q, scale = _round_symmetric(weight, 127)
+        return cls(q, scale, bias, act_dtype or weight.dtype)
+
+    @classmethod
+    def block_bytes(cls) -> int:
+        return 8 * QK
+
+    @classmethod
+    def pack(cls, codes: torch.Tensor) -> torch.Tensor:
+        """int8 codes [N, K] -> uint8 [tiles, K/32 * 256]: per tile, block and vector v the tile's rows' codes
+        4v..4v+3, plus 128. Padding rows hold q = 0."""
+        n, k = codes.shape
+        u = torch.full((-(-n // cls.TILE) * cls.TILE, k), 128, dtype=torch.uint8)
+        u[:n] = (codes.to(torch.int16) + 128).to(torch.uint8)
+        words = u.view(torch.int32).view(-1, cls.TILE, k // QK, 8)  # [tile, row, block, v]: codes 4v..4v+3
+        return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(-1, k // QK * cls.block_bytes())
+
+    def codes(self) -> torch.Tensor:
+        """The signed codes int8 [N, K], unpacked from `qweight`."""
+        n, k = self.out_features, self.in_features
+        words = self.qweight.view(torch.int32).view(-1, k // QK, 8, self.TILE)  # [tile, block, v, row]
+        u = words.permute(0, 3, 1, 2).contiguous().view(torch.uint8).view(-1, k)[:n]
+        return (u.to(torch.int16) - 128).to(torch.int8)
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.codes().float().view(self.out_features, -1, QK) * self.scale.float()[..., None]
+        return w.view(self.out_features, self.in_features)
+
+
 def concat_block_linears(mods: list[_BlockLinear]) -> _BlockLinear | None:
     """One layer computing the given layers side by side (rows concatenated), or None if they differ in kind."""
     first = mods[0]
@@ -387,6 +415,4 @@ def concat_block_linears(mods: list[_BlockLinear]) -> _BlockLinear | None:
     if isinstance(first, W4A8Linear):
         codes = torch.cat([m.codes() for m in mods])  # tiles would straddle parts: repack from codes
         return W4A8Linear(codes, cat("scale"), cat("offset"), bias, dtype or torch.bfloat16)
-    if isinstance(first, (W5A8Linear, W6A8Linear)):
-        return type(first)(torch.cat([m.codes() for m in mods]), cat("scale"), bias, dtype or torch.bfloat16)
-    return W8A8Linear(cat("qweight"), cat("scale"), bias, dtype or torch.bfloat16)
+    return type(first)(torch.cat([m.codes() for m in mods]), cat("scale"), bias, dtype or torch.bfloat16)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ssd.workers.models.blockquant import W4A8Linear, W8A8Linear, _TiledLinear
+from ssd.workers.models.blockquant import W4A8Linear, _TiledLinear
 from ssd.workers.models.dense import DenseLinear
 from ssd.workers.models.quant import Int8Linear
 
@@ -124,8 +124,6 @@ def head_rows(head: nn.Module, keep: torch.Tensor) -> nn.Module:
     act_dtype = bias.dtype if bias is not None else torch.bfloat16  # only the bias's dtype depends on it
     if isinstance(head, DenseLinear):
         return DenseLinear(head.weight[keep], bias)
-    if isinstance(head, W8A8Linear):
-        return W8A8Linear(head.qweight[keep], head.scale[keep], bias, act_dtype)
     if isinstance(head, W4A8Linear):
         return W4A8Linear(head.codes()[keep], head.scale[keep], head.offset[keep], bias, act_dtype)
     if isinstance(head, _TiledLinear):
