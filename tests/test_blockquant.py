@@ -227,6 +227,18 @@ def test_q8_pack_layout():
 
 
 @pytest.mark.parametrize("cls", CLASSES)
+def test_some_rows_unpack_as_all_rows(cls):
+    """codes(rows) / scale_of(rows) (/ offset_of) unpack only the rows' tiles: the same as indexing the whole."""
+    g = torch.Generator().manual_seed(3)
+    lin = cls.from_float(torch.randn(37, 64, generator=g), None, torch.float32)
+    for rows in (torch.tensor([36, 0, 9, 9, 17]), torch.arange(37), torch.tensor([5])):
+        assert torch.equal(lin.codes(rows), lin.codes()[rows])
+        assert torch.equal(lin.scale_of(rows), lin.scale[rows])
+        if cls is W4A8Linear:
+            assert torch.equal(lin.offset_of(rows), lin.offset[rows])
+
+
+@pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("n", [8, 13, 72])
 def test_tiles_any_row_count_and_batch_invariant(cls, n):
     """Rows in tiles of 8 (a padded last tile for 13): every row count M gives each row the bits of M = 1."""

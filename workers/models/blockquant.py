@@ -168,9 +168,22 @@ class _TiledLinear(_BlockLinear):
         padded[:n] = t
         return padded.view(-1, cls.TILE, per_row).transpose(1, 2).contiguous()
 
-    def _untiled(self, bits: torch.Tensor) -> torch.Tensor:  # [tiles, S, 8] int16 -> fp16 [N, S]
-        rows = bits.view(torch.float16).transpose(1, 2).reshape(-1, bits.shape[1])
-        return rows[: self.out_features]
+    def _untiled(self, bits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[tiles, S, 8] int16 -> fp16 [N, S], or only `rows` [R, S]."""
+        if rows is not None:
+            return bits[rows // self.TILE, :, rows % self.TILE].view(torch.float16)
+        return bits.view(torch.float16).transpose(1, 2).reshape(-1, bits.shape[1])[: self.out_features]
+
+    def scale_of(self, rows: torch.Tensor) -> torch.Tensor:  # fp16 [R, S]: `scale[rows]` without untiling all
+        return self._untiled(self.scale_bits, rows)
+
+    def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """codes [N, K], unpacked from `qweight`; or only `rows` [R, K], unpacking just their tiles (a
+        restricted output layer takes ~33k rows of 152k)."""
+        if rows is None:
+            return self._unpack(self.qweight)[: self.out_features]
+        tiles, at = torch.unique(rows // self.TILE, return_inverse=True)
+        return self._unpack(self.qweight[tiles]).view(len(tiles), self.TILE, -1)[at, rows % self.TILE]
 
     @property
     def scale(self) -> torch.Tensor:  # fp16 [N, K/32] (q6: [N, K/16])
@@ -203,10 +216,10 @@ class _TiledLinear(_BlockLinear):
             parts.append(planes.flatten(2))
         return torch.cat(parts, dim=2).reshape(-1, k // QK * cls.block_bytes()).contiguous()
 
-    def codes(self) -> torch.Tensor:
-        """codes [N, K], unpacked from `qweight`."""
-        n, k = self.out_features, self.in_features
-        g = self.qweight.view(-1, k // QK, self.block_bytes())
+    def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
+        """Tiles of `pack`'s layout -> codes [8 tiles, K]."""
+        k = self.in_features
+        g = qweight.view(-1, k // QK, self.block_bytes())
         b = g[:, :, : 4 * QK].reshape(g.shape[0], g.shape[1], 4, 1, QK)
         vec = torch.cat([b & 0x0F, b >> 4], dim=3).reshape(g.shape[0], g.shape[1], 8, QK)  # [tile, block, v, 32]
         bits = self.HIGH_BITS
@@ -217,7 +230,7 @@ class _TiledLinear(_BlockLinear):
             high = ((planes >> shift) & ((1 << bits) - 1)).view(g.shape[0], g.shape[1], 8, QK) << 4
             vec = vec | high.to(torch.uint8)
         c = vec.view(-1, k // QK, 4, 2, self.TILE, 4)  # [tile, block, chunk, nibble, row, j]
-        return c.permute(0, 4, 1, 2, 3, 5).reshape(-1, k)[:n]
+        return c.permute(0, 4, 1, 2, 3, 5).reshape(-1, k)
 
     def _kernel_offset(self) -> torch.Tensor | None:
         return None  # only q4 has offsets
@@ -244,6 +257,9 @@ class W4A8Linear(_TiledLinear):
     @property
     def offset(self) -> torch.Tensor:  # fp16 [N, K/32]
         return self._untiled(self.offset_bits)
+
+    def offset_of(self, rows: torch.Tensor) -> torch.Tensor:  # fp16 [R, K/32]
+        return self._untiled(self.offset_bits, rows)
 
     def _kernel_offset(self) -> torch.Tensor:
         return self.offset_bits.view(torch.float16)
@@ -384,11 +400,11 @@ class W8A8Linear(_TiledLinear):
         words = u.view(torch.int32).view(-1, cls.TILE, k // QK, 8)  # [tile, row, block, v]: codes 4v..4v+3
         return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(-1, k // QK * cls.block_bytes())
 
-    def codes(self) -> torch.Tensor:
-        """The signed codes int8 [N, K], unpacked from `qweight`."""
-        n, k = self.out_features, self.in_features
-        words = self.qweight.view(torch.int32).view(-1, k // QK, 8, self.TILE)  # [tile, block, v, row]
-        u = words.permute(0, 3, 1, 2).contiguous().view(torch.uint8).view(-1, k)[:n]
+    def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
+        """Tiles of `pack`'s layout -> the signed codes int8 [8 tiles, K]."""
+        k = self.in_features
+        words = qweight.view(torch.int32).view(-1, k // QK, 8, self.TILE)  # [tile, block, v, row]
+        u = words.permute(0, 3, 1, 2).contiguous().view(torch.uint8).view(-1, k)
         return (u.to(torch.int16) - 128).to(torch.int8)
 
     def dequantize(self) -> torch.Tensor:

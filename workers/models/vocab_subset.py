@@ -125,9 +125,9 @@ def head_rows(head: nn.Module, keep: torch.Tensor) -> nn.Module:
     if isinstance(head, DenseLinear):
         return DenseLinear(head.weight[keep], bias)
     if isinstance(head, W4A8Linear):
-        return W4A8Linear(head.codes()[keep], head.scale[keep], head.offset[keep], bias, act_dtype)
+        return W4A8Linear(head.codes(keep), head.scale_of(keep), head.offset_of(keep), bias, act_dtype)
     if isinstance(head, _TiledLinear):
-        return type(head)(head.codes()[keep], head.scale[keep], bias, act_dtype)
+        return type(head)(head.codes(keep), head.scale_of(keep), bias, act_dtype)
     if isinstance(head, Int8Linear):
         return Int8Linear(head.qweight[keep], head.scales[keep], bias)
     raise ValueError(f"cannot restrict an output layer of type {type(head).__name__} to part of the vocabulary")
