@@ -134,11 +134,9 @@ class _TiledLinear(_BlockLinear):
         self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
         act_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        """codes [N, K] in 0..2^(4 + HIGH_BITS) - 1, scale [N, K/SUB]."""
+        """codes [N, K] in 0..2^(4 + HIGH_BITS) - 1 (W8A8Linear: signed, int8), scale [N, K/SUB]."""
         super().__init__()
-        code_max = (16 << self.HIGH_BITS) - 1
-        if codes.numel() and int(codes.max()) > code_max:
-            raise ValueError(f"{self.FMT} codes must lie in 0..{code_max}")
+        self._check_codes(codes)
         if scale.shape != (codes.shape[0], codes.shape[1] // self.SUB):
             raise ValueError(f"{self.FMT} scales {tuple(scale.shape)} do not fit codes {tuple(codes.shape)}: "
                              f"one per {self.SUB}")
@@ -146,6 +144,12 @@ class _TiledLinear(_BlockLinear):
         self._setup(n, k, bias, act_dtype)
         self.register_buffer("qweight", self.pack(codes))
         self.register_buffer("scale_bits", self._tiled(_fp16(scale)).view(torch.int16))
+
+    @classmethod
+    def _check_codes(cls, codes: torch.Tensor) -> None:
+        code_max = (16 << cls.HIGH_BITS) - 1
+        if codes.numel() and int(codes.max()) > code_max:
+            raise ValueError(f"{cls.FMT} codes must lie in 0..{code_max}")
 
     @classmethod
     def from_packed(
@@ -363,20 +367,10 @@ class W8A8Linear(_TiledLinear):
 
     FMT = "q8"
 
-    def __init__(
-        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-        act_dtype: torch.dtype = torch.bfloat16,
-    ) -> None:
-        """qweight int8 [N, K] (the signed codes), scale [N, K/32]."""
-        nn.Module.__init__(self)
-        if qweight.dtype != torch.int8 or qweight.dim() != 2:
-            raise ValueError(f"q8 codes must be an int8 [N, K] tensor, got {qweight.dtype} {tuple(qweight.shape)}")
-        if scale.shape != (qweight.shape[0], qweight.shape[1] // QK):
-            raise ValueError(f"q8 scales {tuple(scale.shape)} do not fit codes {tuple(qweight.shape)}: one per {QK}")
-        n, k = qweight.shape
-        self._setup(n, k, bias, act_dtype)
-        self.register_buffer("qweight", self.pack(qweight))
-        self.register_buffer("scale_bits", self._tiled(_fp16(scale)).view(torch.int16))
+    @classmethod
+    def _check_codes(cls, codes: torch.Tensor) -> None:  # the signed codes, int8 [N, K]
+        if codes.dtype != torch.int8 or codes.dim() != 2:
+            raise ValueError(f"q8 codes must be an int8 [N, K] tensor, got {codes.dtype} {tuple(codes.shape)}")
 
     @classmethod
     def from_float(
