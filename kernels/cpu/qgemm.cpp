@@ -143,7 +143,6 @@ void free_acts(QActs& a) {
     free(a.sx16);
 }
 
-
 // Rows n0..n0+7 (one tile: codes w [nb, block_bytes], fp16 scales sc [nb, parts, 8] and q4 offsets
 // oc [nb, 8]) against R activation rows from `a` (starting at row m0): out[i * 8 + r] =
 // y[m0 + i, n0 + r]. `pf`: prefetch this many bytes ahead in the weight stream (0: none); tiles are
@@ -287,10 +286,9 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
 #else
                     if constexpr (FMT == FMT_Q8) {  // |q| x sign(x, q): two products fit an int16 lane, four do not
                         (void)widen;
-                        const __m256i ones16 = _mm256_set1_epi16(1);
                         const __m256i pl = _mm256_maddubs_epi16(_mm256_abs_epi8(lo[cc]), _mm256_sign_epi8(_mm256_set1_epi32(x_lo), lo[cc]));
                         const __m256i ph = _mm256_maddubs_epi16(_mm256_abs_epi8(hi[cc]), _mm256_sign_epi8(_mm256_set1_epi32(x_hi), hi[cc]));
-                        sum32[i] = _mm256_add_epi32(sum32[i], _mm256_add_epi32(_mm256_madd_epi16(pl, ones16), _mm256_madd_epi16(ph, ones16)));
+                        sum32[i] = _mm256_add_epi32(sum32[i], _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones)));
                         continue;
                     }
                     sum16[i] = _mm256_add_epi16(sum16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo[cc], _mm256_set1_epi32(x_lo)),
