@@ -10,8 +10,11 @@
 //           planes of high bits
 // Activations are quantised per row and block of 32 to int8 (xq, scale dx; Q8_0 style), so each
 // block's dot product is an exact integer sum (maddubs + madd):
-//   q4: y += s * dx * sum(q * xq) + o * (dx * sum(xq))        q8: y += s * dx * sum(q * xq)
-//   q5: as q4 with o = -16 s
+//   q4: y += s * dx * sum(q * xq) + o * (dx * sum(xq))
+//   q5, q8: y += s * dx * sum((q - c) * xq)
+//   q6: y += dx * (s0 * sum((q - c) * xq over the first 16) + s1 * (the same over the second 16))
+// with c = 16 (q5), 32 (q6), 128 (q8's stored u = q + 128 with VNNI; 0 without): the integer sums start at
+// -c * sum(xq) of their block or half block (QActs::start), so no float step handles an offset.
 //
 // q4, q5 and q6 interleave 8 weight rows (a tile; N is zero-padded to whole tiles) so that no lane
 // sums are needed: per tile and block, 128 bytes of nibbles in 4 chunks, where bytes 4r..4r+3 of
@@ -23,10 +26,13 @@
 // lane adds 2 products per int16 lane; the maddubs add up in int16 and are widened by a madd
 // before they could overflow, leaving the 8 rows' sums in the 8 int32 lanes. Scales (and q4
 // offsets) are fp16 [tiles, nb, 8] (q6: [tiles, nb, 2, 8]), one 16-byte load per block (and
-// half). Each output accumulates block by block (q6: half block by half block):
-// acc = fma(s * dx, sum, acc), then acc = fma(o, sx, acc) (q5: o = -16 s, q6: o = -32 s, sx of
-// the half). Unpacking is shared by all activation rows of a pass. With scales (and offsets) a
-// weight costs 5 bits (q4), 5.5 (q5) or 7 (q6), and rows need no padding along K.
+// half). Each output accumulates block by block: acc = fma(s * dx, sum, acc), then for q4
+// acc = fma(o, sx, acc) (sx = dx * sum(xq)); q6: h = s0 * sum0, acc = fma(dx, fma(s1, sum1, h), acc).
+// On Zen 4 the float multiplies and fmas share the two pipes that run dpbusd (the shifts, ands and
+// conversions do not), so each one per row and block costs about a dpbusd: q6's offset fmas and second
+// multiply (removed in session 31) cost its 8-row products 15-20 %. Unpacking is shared by all activation
+// rows of a pass. With scales (and offsets) a weight costs 5 bits (q4), 5.5 (q5) or 7 (q6), and rows need no
+// padding along K.
 //
 // q8 tiles hold whole bytes u = q + 128 (dpbusd takes its weights unsigned), read without unpacking; each
 // row's block sum starts from -128 * sum(xq) (an exact integer per activation row and block), so it ends
@@ -109,38 +115,39 @@ inline void dot4_f32(const float* a, int stride, const float* b, int n, float* o
     }
 }
 
-// Quantised activations as the kernels read them: xq [M, nbp * 32], dx and sx [M, nbp], nbp = blocks
-// rounded up to a whole group of 8, zero padded; for q6 also sx16 [M, nbp, 2] = dx * sum(xq) per
-// half block (q6 has a scale per 16 weights). (Block-major order, a block's rows side by side, measured
-// slower in 8-row forwards.)
+// Quantised activations as the kernels read them: xq [M, nbp * 32], dx and sx = dx * sum(xq) [M, nbp], nbp =
+// blocks rounded up to a whole group of 8, zero padded. For the formats whose codes carry an offset c (q5: 16,
+// q6: 32, q8 with VNNI: 128, see the top of this file) also start [M, nbp, parts] = -c * sum(xq) of each part
+// (q6: half block), where that part's integer sums start: stored ready to broadcast from memory (computed in
+// the kernel, the multiply and a register broadcast cost what the offset fma they replace did). (Block-major
+// order, a block's rows side by side, measured slower in 8-row forwards.)
 struct QActs {
     int8_t* xq;
     float* dx;
     float* sx;
-    float* sx16;
+    int32_t* start;  // or nullptr (c = 0)
     int nbp;
-    int32_t* xs;  // sum(xq) per row and block (q8: where its dot products start), or nullptr
+    int c;
+    int parts;
 };
 
 inline size_t act_at(const QActs& a, int m, int b) { return static_cast<size_t>(m) * a.nbp + b; }
 
-// Zeroed activations (the padding blocks stay zero) of M rows of K.
-QActs alloc_acts(int M, int K, bool halves, bool sums) {
+// Zeroed activations (the padding blocks stay zero) of M rows of K, for codes offset by c in `parts` parts per
+// block.
+QActs alloc_acts(int M, int K, int c, int parts) {
     const int nbp = (K / QK + 7) / 8 * 8;
     const size_t n = static_cast<size_t>(M) * nbp;
-    QActs a{static_cast<int8_t*>(calloc(n * QK, 1)), static_cast<float*>(calloc(n, sizeof(float))),
-            static_cast<float*>(calloc(n, sizeof(float))),
-            halves ? static_cast<float*>(calloc(n * 2, sizeof(float))) : nullptr, nbp,
-            sums ? static_cast<int32_t*>(calloc(n, sizeof(int32_t))) : nullptr};
-    return a;
+    return QActs{static_cast<int8_t*>(calloc(n * QK, 1)), static_cast<float*>(calloc(n, sizeof(float))),
+                 static_cast<float*>(calloc(n, sizeof(float))),
+                 c != 0 ? static_cast<int32_t*>(calloc(n * parts, sizeof(int32_t))) : nullptr, nbp, c, parts};
 }
 
 void free_acts(QActs& a) {
-    free(a.xs);
     free(a.xq);
     free(a.dx);
     free(a.sx);
-    free(a.sx16);
+    free(a.start);
 }
 
 // Rows n0..n0+7 (one tile: codes w [nb, block_bytes], fp16 scales sc [nb, parts, 8] and q4 offsets
@@ -232,6 +239,19 @@ inline void unpack_codes(Load load, int part, V* lo, V* hi) {
     }
 }
 
+// The code offset c of format FMT in the kernels that start their integer sums at -c * sum(xq): the sums
+// then end as sum((q - c) * xq) exactly and the float steps need no offset term. q4's offsets are per row
+// and block (an fma with sx); q8 without VNNI turns its codes back to signed.
+template <int FMT>
+constexpr int CODE_OFFSET = FMT == FMT_Q5 ? 16 : FMT == FMT_Q6 ? 32 : FMT == FMT_Q8 && SSD_VNNI ? 128 : 0;
+
+// Where the integer sum of activation row `at` (row-major index of row and block) and scale part `part` starts.
+template <int FMT>
+inline __m256i sum_start8(const QActs& a, size_t at, int part) {
+    if constexpr (CODE_OFFSET<FMT> == 0) return _mm256_setzero_si256();
+    return _mm256_set1_epi32(a.start[at * SCALE_PARTS<FMT> + part]);
+}
+
 // noinline (also tile2_dot): inlined, the kernel's registers were allocated anew in each caller, and one
 // arrangement of the callers ran q6's 8-row loop 1.6x slower.
 template <int FMT, int R>
@@ -239,7 +259,7 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
                                         int m0, int nb, float* out, int pf) {
     constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
     constexpr int chunks = 4 / parts;  // chunks of 8 weights per scale
-    __m256 acc[R];
+    __m256 acc[R], half[R];  // half (q6): s * sum of the block's first half block, then plus the second's
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; ++b) {
@@ -258,8 +278,7 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
             __m256i sum16[R], sum32[R];
             for (int i = 0; i < R; ++i) {
                 sum16[i] = _mm256_setzero_si256();
-                // q8 with VNNI: the unsigned codes' sum starts at -128 sum(xq) (see the top of this file).
-                sum32[i] = FMT == FMT_Q8 && SSD_VNNI ? _mm256_set1_epi32(-128 * a.xs[at0 + rs * i]) : sum16[i];
+                sum32[i] = sum_start8<FMT>(a, at0 + rs * i, part);
             }
             __m256i lo[chunks], hi[chunks];
             unpack_codes<FMT>(load, part, lo, hi);
@@ -305,18 +324,18 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
 #endif
             const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * parts + part) * 8)));
             __m256 o8 = _mm256_setzero_ps();
-            if constexpr (FMT == FMT_Q4)
-                o8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oc + b * 8)));
-            else if constexpr (FMT != FMT_Q8)
-                o8 = _mm256_mul_ps(s8, _mm256_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
+            if constexpr (FMT == FMT_Q4) o8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oc + b * 8)));
 #pragma GCC unroll 4
             for (int i = 0; i < R; ++i) {
                 const size_t at = at0 + rs * i;
-                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_set1_ps(a.dx[at])), _mm256_cvtepi32_ps(sum32[i]), acc[i]);
-                if constexpr (FMT != FMT_Q8) {
-                    const float sx = FMT == FMT_Q6 ? a.sx16[2 * at + part] : a.sx[at];
-                    acc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(sx), acc[i]);
-                }
+                const __m256 sum = _mm256_cvtepi32_ps(sum32[i]);
+                if constexpr (parts == 1)
+                    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_set1_ps(a.dx[at])), sum, acc[i]);
+                else if (part == 0)
+                    half[i] = _mm256_mul_ps(s8, sum);
+                else
+                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a.dx[at]), _mm256_fmadd_ps(s8, sum, half[i]), acc[i]);
+                if constexpr (FMT == FMT_Q4) acc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(a.sx[at]), acc[i]);
             }
         }
     }
@@ -361,7 +380,7 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
                                          int m0, int nb, float* out, int pf) {
     constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
     constexpr int chunks = 4 / parts;
-    __m512 acc[R];
+    __m512 acc[R], half[R];  // as tile_dot's
     for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; ++b) {
         const uint8_t* ba = wa + static_cast<size_t>(b) * block_bytes;
@@ -377,20 +396,17 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
             unpack_codes<FMT>(load, part, lo, hi);
             const __m512 s16 = load_half2(sa + (b * parts + part) * 8, sb + (b * parts + part) * 8);
             __m512 o16 = _mm512_setzero_ps();
-            if constexpr (FMT == FMT_Q4)
-                o16 = load_half2(oa + b * 8, ob + b * 8);
-            else if constexpr (FMT != FMT_Q8)
-                o16 = _mm512_mul_ps(s16, _mm512_set1_ps(FMT == FMT_Q5 ? -16.0f : -32.0f));
+            if constexpr (FMT == FMT_Q4) o16 = load_half2(oa + b * 8, ob + b * 8);
             // The pass's rows of block b, nbp blocks apart: computed from one pointer each (not per row,
             // which took ~40 % of the instructions of q6's 8-row loop, half of them stack spills).
             const size_t at0 = act_at(a, m0, b), rs = a.nbp;
             const int8_t* xb = a.xq + at0 * QK + 8 * part * chunks;
             const float* dxb = a.dx + at0;
-            const float* sxb = FMT == FMT_Q6 ? a.sx16 + 2 * at0 + part : a.sx + at0;
+            const float* sxb = a.sx + at0;
 #pragma GCC unroll 8
             for (int i = 0; i < R; ++i) {
-                // q8: the unsigned codes' sum starts at -128 sum(xq) (see the top of this file).
-                __m512i sum_lo = FMT == FMT_Q8 ? _mm512_set1_epi32(-128 * a.xs[at0 + rs * i]) : _mm512_setzero_si512();
+                __m512i sum_lo = CODE_OFFSET<FMT> == 0 ? _mm512_setzero_si512()
+                                                       : _mm512_set1_epi32(a.start[(at0 + rs * i) * parts + part]);
                 __m512i sum_hi = _mm512_setzero_si512();
                 const int8_t* x = xb + QK * rs * i;
 #pragma GCC unroll 4
@@ -402,9 +418,14 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
                         sum_lo = dpbusd_bcast(sum_lo, hi[cc], x + 8 * cc + 4);
                 }
                 const __m512i sum = R <= 4 ? _mm512_add_epi32(sum_lo, sum_hi) : sum_lo;
-                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s16, _mm512_set1_ps(dxb[rs * i])), _mm512_cvtepi32_ps(sum), acc[i]);
-                if constexpr (FMT != FMT_Q8)
-                    acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(sxb[(FMT == FMT_Q6 ? 2 : 1) * rs * i]), acc[i]);
+                const __m512 sumf = _mm512_cvtepi32_ps(sum);
+                if constexpr (parts == 1)
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s16, _mm512_set1_ps(dxb[rs * i])), sumf, acc[i]);
+                else if (part == 0)
+                    half[i] = _mm512_mul_ps(s16, sumf);
+                else
+                    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(dxb[rs * i]), _mm512_fmadd_ps(s16, sumf, half[i]), acc[i]);
+                if constexpr (FMT == FMT_Q4) acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(sxb[rs * i]), acc[i]);
             }
         }
     }
@@ -653,9 +674,10 @@ void dense_gemm_part(const void* w, const float* xf, const float* bias, int M, i
 namespace {
 
 // One block of 32 activations (from element `at` of x) to int8: q = round_half_even(x * (1 / d)), d = absmax / 127
-// (an all-zero block gives d = 0, q = 0), s = d * sum(q); with `halves`, d * sum(q) of each half of 16 as well.
+// (an all-zero block gives d = 0, q = 0), s = d * sum(q); with `start`, -c * sum(q) of the block (parts = 1) or
+// of each half of 16 (parts = 2).
 inline void quantize_block(const void* x, int x_bf16, size_t at, int8_t* q_out, float& d_out, float& s_out,
-                           float* halves, int32_t* isum) {
+                           int32_t* start, int c, int parts) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 v[4];
     for (int j = 0; j < 4; ++j)
@@ -689,10 +711,10 @@ inline void quantize_block(const void* x, int x_bf16, size_t at, int8_t* q_out, 
     const int lo = sum8(_mm256_add_epi32(q[0], q[1])), hi = sum8(_mm256_add_epi32(q[2], q[3]));
     d_out = d;
     s_out = d * static_cast<float>(lo + hi);
-    if (isum != nullptr) *isum = lo + hi;
-    if (halves != nullptr) {
-        halves[0] = d * static_cast<float>(lo);
-        halves[1] = d * static_cast<float>(hi);
+    if (start != nullptr && parts == 1) start[0] = -c * (lo + hi);
+    if (start != nullptr && parts == 2) {
+        start[0] = -c * lo;
+        start[1] = -c * hi;
     }
 }
 
@@ -707,7 +729,7 @@ void ssd_quantize_rows(const void* x, int x_bf16, int M, int K, int8_t* xq, floa
     for (int m = 0; m < M; ++m)
         for (int b = 0; b < nb; ++b) {
             const size_t at = static_cast<size_t>(m) * nb + b;
-            quantize_block(x, x_bf16, at * QK, xq + at * QK, dx[at], sx[at], nullptr, nullptr);
+            quantize_block(x, x_bf16, at * QK, xq + at * QK, dx[at], sx[at], nullptr, 0, 1);
         }
 }
 
@@ -724,12 +746,17 @@ void quantize_into(const void* x, int bf16, int M, int K, QActs& a, int t, int n
         const size_t at = act_at(a, m, b);
         int8_t* q = a.xq + at * QK;
         quantize_block(x, bf16, static_cast<size_t>(i) * QK, q, a.dx[at], a.sx[at],
-                       a.sx16 != nullptr ? a.sx16 + 2 * at : nullptr, a.xs != nullptr ? a.xs + at : nullptr);
+                       a.start != nullptr ? a.start + a.parts * at : nullptr, a.c, a.parts);
     }
 }
 
 // Activations as the block GEMM of format fmt reads them.
-QActs acts_for(int M, int K, int fmt) { return alloc_acts(M, K, fmt == FMT_Q6, fmt == FMT_Q8); }
+QActs acts_for(int M, int K, int fmt) {
+    if (fmt == FMT_Q5) return alloc_acts(M, K, CODE_OFFSET<FMT_Q5>, SCALE_PARTS<FMT_Q5>);
+    if (fmt == FMT_Q6) return alloc_acts(M, K, CODE_OFFSET<FMT_Q6>, SCALE_PARTS<FMT_Q6>);
+    if (fmt == FMT_Q8) return alloc_acts(M, K, CODE_OFFSET<FMT_Q8>, SCALE_PARTS<FMT_Q8>);
+    return alloc_acts(M, K, 0, 1);
+}
 
 // Thread t of nt: its share of the outputs of the block GEMM of format fmt.
 void block_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, int fmt, const QActs& a, int M,
