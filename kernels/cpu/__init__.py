@@ -33,7 +33,7 @@ from torch import Tensor
 __all__ = [
     "BLOCK_FORMATS", "ISA_FLAGS", "QK", "LayerDesc", "LinearDesc", "RowPlan", "attend_rows", "available",
     "decoder_layers", "isa", "linear", "linear_dense", "load", "quantize_rows", "ref_attend_rows",
-    "ref_quantize_rows", "rmsnorm", "silu_mul", "supported_isas", "unavailable_reason",
+    "ref_quantize_rows", "rmsnorm", "silu_mul", "supported_isas", "unavailable_reason", "use",
 ]
 
 QK = 32  # weights and activations are quantised in blocks of 32 along K
@@ -54,10 +54,11 @@ _ISA_CPU_FLAGS = {
 
 
 SOURCES = ("qgemm.cpp", "decoder_layer.cpp")  # compiled together into one library (common.h shared)
+HEADERS = ("common.h",)
 
 
-def _sources() -> list[Path]:
-    return [Path(__file__).with_name(name) for name in SOURCES]
+def _sources(src_dir: Path | None = None) -> list[Path]:
+    return [(src_dir or Path(__file__).parent) / name for name in SOURCES]
 
 
 def _cpu_flags() -> set[str]:
@@ -94,8 +95,9 @@ def isa() -> str:
     return supported_isas()[0]
 
 
-def _build(isa_name: str) -> Path:
-    src = b"".join(p.read_bytes() for p in [*_sources(), Path(__file__).with_name("common.h")])
+def _build(isa_name: str, src_dir: Path | None = None) -> Path:
+    src_dir = src_dir or Path(__file__).parent
+    src = b"".join((src_dir / name).read_bytes() for name in (*SOURCES, *HEADERS))
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH to build the CPU kernels")
@@ -107,7 +109,7 @@ def _build(isa_name: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    proc = subprocess.run([cxx, *flags, "-o", tmp, *map(str, _sources())], capture_output=True, text=True)
+    proc = subprocess.run([cxx, *flags, "-o", tmp, *map(str, _sources(src_dir))], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"building {', '.join(SOURCES)} failed:\n{proc.stderr[-2000:]}")
@@ -126,10 +128,12 @@ def _lib() -> ctypes.CDLL | str:
         return str(e)
 
 
-def load(isa_name: str) -> ctypes.CDLL:
-    """The kernel library built for `isa_name` (a key of ISA_FLAGS), built first if not cached. `_lib`
-    is the one the layers use; tests load others to compare builds."""
-    lib = ctypes.CDLL(str(_build(isa_name)))  # torch (imported above) already loaded libgomp.so.1: one OpenMP pool
+def load(isa_name: str, src_dir: Path | None = None) -> ctypes.CDLL:
+    """The kernel library built for `isa_name` (a key of ISA_FLAGS), built first if not cached, from the
+    sources in `src_dir` (SOURCES and HEADERS; default: this package's). `_lib` is the one the layers use;
+    tests load others to compare builds, benchmarks/kernel_ab.py other source revisions (see `use`)."""
+    # torch (imported above) already loaded libgomp.so.1: one OpenMP pool
+    lib = ctypes.CDLL(str(_build(isa_name, src_dir)))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.ssd_quantize_rows.argtypes = [p, i, i, i, p, p, p]
     lib.ssd_linear.argtypes = [p, i, i, i, p, p, p, i, p, i, i]
@@ -157,8 +161,19 @@ def unavailable_reason() -> str | None:
     return lib if isinstance(lib, str) else None
 
 
+_override: ctypes.CDLL | None = None
+
+
+def use(lib: ctypes.CDLL | None) -> None:
+    """From now on every kernel call (the layers' too) runs on `lib`, a library from `load` (another build or
+    source revision; None: this package's own again): benchmarks/kernel_ab.py times kernel versions in turn
+    in one process."""
+    global _override
+    _override = lib
+
+
 def _require() -> ctypes.CDLL:
-    lib = _lib()
+    lib = _override or _lib()
     if isinstance(lib, str):
         raise RuntimeError(f"block-quantised CPU kernel unavailable: {lib}")
     return lib
