@@ -77,6 +77,8 @@ def main() -> int:
     ap.add_argument("--model", default="qwen-coder-1.5b", help="an alias of runner.SHAPES, or 'tiny'")
     ap.add_argument("--modes", default="ar,sd,ssd")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--warmup-tokens", type=int, default=None,
+                    help="tokens of the untimed generation first (default: --tokens, so every graph is captured)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
@@ -86,17 +88,17 @@ def main() -> int:
         print("no CUDA device", file=sys.stderr)
         return 2
     model = build(args.model, device)
-    result: dict = dict(device=str(device), model=args.model, tokens=args.tokens, k=args.k,
-                        forward_ms=round(forward_ms(model, device), 3), modes={})
+    result: dict = dict(device=str(device), model=args.model, tokens=args.tokens, warmup_tokens=args.warmup_tokens,
+                        k=args.k, forward_ms=round(forward_ms(model, device), 3), modes={})
     print(f"forward alone: {result['forward_ms']} ms per decode step")
     prompt = [prompt_ids(model)]
     sp = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     for mode in args.modes.split(","):
         with LLM(target=model, draft=None if mode == "ar" else model, mode=mode, k=args.k, device=str(device),
                  dtype="bfloat16", max_batch=1, max_len=512, use_ray=False) as llm:
-            # Warm-up as long as the timed run: graphs are captured lazily per attended-length bucket, and a
-            # capture mid-run (the first use of a kernel variant among them) costs 0.3-0.8 s.
-            llm.generate(prompt, sp)
+            # Warm-up as long as the timed run by default: graphs are captured on a shape's first use.
+            warm = args.tokens if args.warmup_tokens is None else args.warmup_tokens
+            llm.generate(prompt, SamplingParams(temperature=0, max_tokens=warm, ignore_eos=True))
             before = llm.stats()
             # Python 3.12's cProfile (sys.monitoring) sees every thread with one profiler and allows no second;
             # before, a profiler sees its own thread: one for the coordinator (this one) and one per worker.

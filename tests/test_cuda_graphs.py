@@ -77,6 +77,33 @@ def test_graph_inputs_match_eager_for_chains_ragged_rows_and_trees():
     torch.testing.assert_close(last[1], last[0], rtol=1e-5, atol=1e-5)  # [B, V] at each row's last token
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_capture_ahead_takes_every_longer_bucket_and_writes_only_the_scratch_slot(ahead):
+    """A shape's first forward at bucket 256 also builds its graphs for 512, 1024 and the cache length (1100) on
+    padding; the forwards that later cross into 512 replay one of those with their real inputs and equal the
+    eager forward, logits and cache alike."""
+    model = random_model(vocab=64, layers=2, hidden=64, heads=4, kv_heads=2, seed=4)
+    eager = ModelRunner(model, max_slots=1, max_len=1100)
+    graphed = ModelRunner(model, max_slots=2, max_len=1100)
+    graphed.graphs = CudaGraphs(model, graphed.kv, scratch_slot=graphed.allocate(), capture=False,
+                                capture_ahead=ahead)
+    se, sg = eager.allocate(), graphed.allocate()
+    for r, s in ((eager, se), (graphed, sg)):
+        r.forward([s], [[i % 60 + 1 for i in range(250)]], last_only=True)  # a prompt: eager on both
+    for step in range(10):  # 250 -> 260 cached tokens: crosses from the 256 into the 512 bucket
+        tok = [[(step * 11) % 60 + 1]]
+        torch.testing.assert_close(graphed.forward([sg], tok), eager.forward([se], tok), rtol=1e-5, atol=1e-5)
+        if step == 0:
+            want = {(1, 1, 256), (1, 1, 512), (1, 1, 1024), (1, 1, 1100)} if ahead else {(1, 1, 256)}
+            assert set(graphed.graphs.graphs) == want
+    assert (1, 1, 512) in graphed.graphs.graphs
+    n = eager.length(se)
+    assert graphed.length(sg) == n == 260
+    torch.testing.assert_close(graphed.kv.k[:, sg, :, :n], eager.kv.k[:, se, :, :n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(graphed.kv.v[:, sg, :, :n], eager.kv.v[:, se, :, :n], rtol=1e-5, atol=1e-5)
+    assert not graphed.kv.k[:, sg, :, n:].any()  # nothing past the sequence: padding went to the scratch slot
+
+
 @pytest.mark.parametrize("linear_kernel", ["auto", "torch"])  # torch: no row plan, masked SDPA as on CUDA
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "auto"])
 def test_greedy_on_the_graph_path_equals_ar(models, ar_outputs, host_graphs, mode, linear_kernel):

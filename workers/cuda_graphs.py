@@ -4,7 +4,9 @@ A decode step of a small model on a GPU is mostly kernel-launch overhead: hundre
 kernels, each launched from Python. A captured graph replays them all with one launch. A graph
 has fixed shapes and fixed buffers, so one is captured per (batch rows, tokens per row, attended
 length bucket), lazily, on the first forward of that shape: its inputs are then the real ones,
-so the warm-up and capture runs write exactly the keys and values the replay writes again.
+so the warm-up and capture runs write exactly the keys and values the replay writes again. With
+it, the same rows x tokens are captured for every longer bucket on padding alone (`capture_ahead_of`),
+so that a request growing past a bucket boundary does not stop for a capture.
 
 The runner builds every input on the host as for an eager forward (token ids, RoPE positions,
 where each new token's keys go, the attention mask, so chains, ragged rows and SSD's token trees
@@ -85,9 +87,11 @@ class CudaGraphs:
 
     def __init__(
         self, model: DecoderModel, kv: KVCache, scratch_slot: int, max_tokens: int = 64, max_rows: int = 512,
-        capture: bool = True,
+        capture: bool = True, capture_ahead: bool = True,
     ) -> None:
         self.model = model
+        # With a shape's first capture, capture it for every longer length bucket too (capture_ahead_of).
+        self.capture_ahead = capture_ahead
         self.kv = kv
         self.scratch_slot = scratch_slot  # padding tokens write here
         self.max_tokens = max_tokens  # longest graphed row (tree steps, K + 1 <= 33)
@@ -114,10 +118,43 @@ class CudaGraphs:
         g = self.graphs.get(key)
         fresh = g is None
         if fresh:
+            if self.capture_ahead:  # first: its warm-ups write the shared logits buffer
+                self.capture_ahead_of(B, n, L)
             g = self._allocate(B, n, L)
         wslot = [slots[b] if i < lens[b] else self.scratch_slot for b in range(B) for i in range(n)]
         wpos = [base[b] + i if i < lens[b] else (b * n + i) % self.kv.max_len for b in range(B) for i in range(n)]
         flat = [t for row in pad_ids for t in row] + [p for row in pad_pos for p in row] + wslot + wpos + slots
+        self._load(g, flat, mask)
+        if fresh:
+            self._first_run(g, B, n)
+            self.graphs[key] = g
+        elif self.capture:
+            g.graph.replay()
+        else:
+            static_forward(self.model, self.kv, g.inputs, B, n, self.logits)
+        return self.logits[: B * n].view(B, n, -1)
+
+    def capture_ahead_of(self, B: int, n: int, L: int) -> None:
+        """Capture [B, n] for every length bucket above L up to the cache length, on padding alone (every token
+        writes to the scratch slot and attends its position 0): a sequence growing into the next bucket then
+        replays at once. Captured lazily there, on an H200 the first forward of a new bucket took 0.3-0.8 s in
+        the middle of a request (most of it the first attention calls at the new length)."""
+        T, longer = B * n, L
+        while longer < self.kv.max_len:
+            longer = min(2 * longer, self.kv.max_len)
+            if (B, n, longer) in self.graphs:
+                continue
+            g = self._allocate(B, n, longer)
+            scratch = [self.scratch_slot] * T
+            flat = [0] * T + [i % n for i in range(T)] + scratch + [i % self.kv.max_len for i in range(T)] + scratch[:B]
+            mask = np.zeros((B, 1, n, longer), dtype=bool)
+            mask[..., 0] = True
+            self._load(g, flat, mask)
+            self._first_run(g, B, n)
+            self.graphs[(B, n, longer)] = g
+
+    def _load(self, g: _Graph, flat: list[int], mask: np.ndarray) -> None:
+        """The inputs into the graph's device buffers, through its pinned host twins."""
         if g.copied is not None:
             g.copied.synchronize()  # the pinned buffers may still be in flight from the last call
         g.host_ints.numpy()[:] = flat  # numpy views of the pinned buffers: no torch op overhead
@@ -126,21 +163,20 @@ class CudaGraphs:
         g.inputs.mask.copy_(g.host_mask, non_blocking=True)
         if g.copied is not None:
             g.copied.record()
+
+    def _first_run(self, g: _Graph, B: int, n: int) -> None:
+        """A new shape's first forward: captured and replayed (capture=False: run eagerly)."""
         if not self.capture:
             static_forward(self.model, self.kv, g.inputs, B, n, self.logits)
-        else:
-            if fresh:
-                try:
-                    self._capture(g, B, n)
-                except RuntimeError as e:
-                    raise GraphCaptureError(
-                        f"capturing a forward of {B} x {n} tokens failed ({e}); cuda_graphs=False "
-                        "(CLI --no-cuda-graphs) runs every forward eagerly"
-                    ) from e
-            g.graph.replay()
-        if fresh:
-            self.graphs[key] = g
-        return self.logits[: B * n].view(B, n, -1)
+            return
+        try:
+            self._capture(g, B, n)
+        except RuntimeError as e:
+            raise GraphCaptureError(
+                f"capturing a forward of {B} x {n} tokens failed ({e}); cuda_graphs=False "
+                "(CLI --no-cuda-graphs) runs every forward eagerly"
+            ) from e
+        g.graph.replay()
 
     def _allocate(self, B: int, n: int, L: int) -> _Graph:
         size = 4 * B * n + B
