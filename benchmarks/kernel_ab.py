@@ -12,12 +12,16 @@ same forwards with one and then the other, in alternating order, on the same wei
 layers of `--shape` K,N, streamed from memory in huge pages as a model's are): ms per call and GMAC/s of each
 version by row count, what tells which format a change helps.
 
+`--attention` times the attention kernel alone (`attend_rows`, one call per layer of `--model`'s head shapes, bf16
+cache of `--context` keys, `--rows` consecutive tokens of one sequence as a verification block has them).
+
 `--caller thread` times the forwards from a second thread while the main thread, which loaded the model, keeps
 its own OpenMP team: how an in-process worker (ssd/handles.py LocalHandle) runs.
 
 Prints ms per forward (median) for each (threads, n) and the ratio new / base, t(8) / t(1) of each,
 and whether both give the same logits (they must, unless the change alters the numerics on purpose);
-writes results/kernel_ab-<model>.json (--layers: kernel_ab-layers.json) unless --out says otherwise.
+writes results/kernel_ab-<model>.json (--layers: kernel_ab-layers.json; --attention: kernel_ab-attention-<model>.json)
+unless --out says otherwise.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from alternate import Variant, alternate, prefilled, report  # noqa: E402
+from runner import SHAPES  # noqa: E402
 
 from ssd.kernels import cpu as qk  # noqa: E402
 from ssd.workers.loader import load_model  # noqa: E402
@@ -100,6 +105,62 @@ def layers_ab(libs: dict[str, object], formats: list[str], k: int, n: int, count
     return table
 
 
+def attention_ab(libs: dict[str, object], heads: int, kv_heads: int, head_dim: int, layers: int, context: int,
+                 rows: list[int], rounds: int) -> list[dict]:
+    """Median ms of `layers` attend_rows calls on each library for R tokens of one sequence (token i sees
+    context + i + 1 keys), R in rows, alternated; whether each library's outputs have the first's bits."""
+    g = torch.Generator().manual_seed(0)
+    max_len = context + max(rows) + 1
+    kc = torch.randn(1, kv_heads, max_len, head_dim, generator=g).bfloat16()
+    vc = torch.randn(1, kv_heads, max_len, head_dim, generator=g).bfloat16()
+    table = []
+    for m in rows:
+        q = torch.randn(m, heads, head_dim, generator=g).bfloat16()
+        plan = qk.RowPlan.from_rows([(0, i, 0, context + i + 1) for i in range(m)])
+        spent: dict[str, list[float]] = {name: [] for name in libs}
+        outs = {}
+        for r in range(rounds):
+            for name in list(libs) if r % 2 == 0 else list(libs)[::-1]:
+                qk.use(libs[name])
+                for rep in range(4):
+                    t0 = time.perf_counter()
+                    for _ in range(layers):
+                        outs[name] = qk.attend_rows(q, kc, vc, plan)
+                    if rep > 0:
+                        spent[name].append(time.perf_counter() - t0)
+        qk.use(None)
+        first = next(iter(libs))
+        table.append(dict(rows=m, ms={name: round(statistics.median(t) * 1e3, 3) for name, t in spent.items()},
+                          same_bits={name: bool(torch.equal(outs[first], o)) for name, o in outs.items()}))
+    return table
+
+
+def main_attention(args: argparse.Namespace, libs: dict[str, object], threads: list[int]) -> int:
+    if args.model not in SHAPES:
+        raise SystemExit(f"kernel_ab: --attention: --model must be one of {', '.join(SHAPES)}")
+    shape = SHAPES[args.model]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim, layers = shape["head_dim"], shape["num_hidden_layers"]
+    rows = [int(r) for r in args.rows.split(",")]
+    result = {}
+    for t in threads:
+        torch.set_num_threads(t)
+        table = attention_ab(libs, heads, kv_heads, head_dim, layers, args.context, rows, args.rounds)
+        result[str(t)] = table
+        print(f"{args.model} attention ({heads} heads, {kv_heads} KV heads, head_dim {head_dim}), {layers} calls over "
+              f"{args.context}+ keys, {qk.isa()} build, {t} thread(s), ms (median of {3 * args.rounds}); "
+              "* = new's bits differ from base's")
+        print(f"{'rows':>4} {'base':>8} {'new':>8} {'new/base':>9}")
+        for r in table:
+            mark = "" if r["same_bits"]["new"] else " *"
+            print(f"{r['rows']:>4} {r['ms']['base']:8.3f} {r['ms']['new']:8.3f} "
+                  f"{r['ms']['new'] / r['ms']['base']:9.3f}{mark}")
+    out = Path(args.out or ROOT / "results" / f"kernel_ab-attention-{args.model}.json")
+    out.write_text(json.dumps(dict(args=vars(args), isa=qk.isa(), threads=result), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="git revision, or kernels/cpu folder of another checkout")
@@ -113,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default=None, help="random layers of these formats (e.g. q4,q6) instead of a model")
     ap.add_argument("--shape", default="8960,1536", help="--layers: K,N of each layer")
     ap.add_argument("--count", type=int, default=6, help="--layers: layers per call")
-    ap.add_argument("--rows", default="1,4,8,16", help="--layers: activation rows per call")
+    ap.add_argument("--rows", default="1,4,8,16", help="--layers: activation rows per call; --attention: tokens")
+    ap.add_argument("--attention", action="store_true", help="the attention kernel alone, --model's head shapes")
+    ap.add_argument("--context", type=int, default=200, help="--attention: keys before the first token")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
@@ -121,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     libs = {"base": base_library(args.base), "new": qk.load(qk.isa())}
     if args.layers:
         return main_layers(args, libs, threads)
+    if args.attention:
+        return main_attention(args, libs, threads)
 
     model = load_model(args.model, dtype=torch.bfloat16, quantization=args.quantization, progress=False).model
     move_to_huge_pages(model)  # as every CPU worker does

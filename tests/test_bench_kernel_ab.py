@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from kernel_ab import ROOT, base_library, layers_ab  # noqa: E402
+from kernel_ab import ROOT, attention_ab, base_library, layers_ab  # noqa: E402
 
 from ssd.kernels import cpu as qk  # noqa: E402
 
@@ -52,3 +52,13 @@ def test_layers_ab_times_each_format_and_compares_bits():
             want = r["rows"] * 256 * 16 * 2 / (r["ms"][name] / 1e3) / 1e9  # rows x K x N x layers per call
             assert r["ms"][name] > 0 and r["gmac_s"][name] == pytest.approx(want, rel=0.05, abs=0.1)
     assert qk._override is None  # the default library is back
+
+
+def test_attention_ab_times_each_row_count_and_compares_bits():
+    lib = qk.load(qk.isa(), KERNELS)
+    table = attention_ab({"base": lib, "new": lib}, heads=4, kv_heads=2, head_dim=16, layers=2, context=20,
+                         rows=[1, 3], rounds=1)
+    assert [r["rows"] for r in table] == [1, 3]
+    for r in table:
+        assert r["same_bits"] == {"base": True, "new": True} and all(ms > 0 for ms in r["ms"].values())
+    assert qk._override is None

@@ -100,21 +100,6 @@ inline float dot_f32(const float* a, const float* b, int n) {
     return s;
 }
 
-// dot_f32(a + j * stride, b, n) for j = 0..3, as four independent chains (the same steps per dot).
-inline void dot4_f32(const float* a, int stride, const float* b, int n, float* out) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 bv = _mm256_loadu_ps(b + i);
-        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + j * stride + i), bv, acc[j]);
-    }
-    for (int j = 0; j < 4; ++j) {
-        float s = hsum(acc[j]);
-        for (int t = i; t < n; ++t) s += a[j * stride + t] * b[t];
-        out[j] = s;
-    }
-}
-
 // Quantised activations as the kernels read them: xq [M, nbp * 32], dx and sx = dx * sum(xq) [M, nbp], nbp =
 // blocks rounded up to a whole group of 8, zero padded. For the formats whose codes carry an offset c (q5: 16,
 // q6: 32, q8 with VNNI: 128, see the top of this file) also start [M, nbp, parts] = -c * sum(xq) of each part
@@ -816,8 +801,7 @@ struct F32<8> {
     static __m256 set1(float x) { return _mm256_set1_ps(x); }
     static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
     static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-    static __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
-    static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+    static __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 };
 #if defined(__AVX512F__)
 template <>
@@ -828,13 +812,124 @@ struct F32<16> {
     static __m512 set1(float x) { return _mm512_set1_ps(x); }
     static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
     static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-    static __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-    static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+    static __m512 fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 };
 #endif
 
-// out[0..63] = sum over l of p[l] * vf[l, d0 + 0..63], added in order of l from 0 (one mul and one add per
-// element, whatever the vector width: the same bits), the 64 sums kept in registers over all positions.
+// The 8 x 8 block r (row i = r[i]) transposed in place.
+inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; ++j) {
+            u[i + 2 * j] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+            u[i + 2 * j + 1] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+// Key rows `rows[0..L-1]` (element offsets into the bf16 / fp32 cache) as fp32 columns: kT[d * Lp + l] = key l's
+// element d, Lp >= L a multiple of 16, columns L..Lp-1 zero. 8 keys x 8 elements at a time through registers.
+inline void keys_transposed(const void* kc, int bf16, const size_t* rows, int L, int Lp, int hd, float* kT) {
+    auto row8 = [&](size_t at) {
+        if (bf16) {
+            const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(kc) + at));
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        return _mm256_loadu_ps(static_cast<const float*>(kc) + at);
+    };
+    auto elem = [&](size_t at) { return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(kc)[at]) : static_cast<const float*>(kc)[at]; };
+    const int hd8 = hd - hd % 8;
+    for (int l0 = 0; l0 < Lp; l0 += 8) {
+        const int n = L - l0 < 8 ? (L - l0 > 0 ? L - l0 : 0) : 8;
+        for (int d0 = 0; d0 < hd8; d0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i) r[i] = i < n ? row8(rows[l0 + i] + d0) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kT + static_cast<size_t>(d0 + i) * Lp + l0, r[i]);
+        }
+        for (int d = hd8; d < hd; ++d)
+            for (int i = 0; i < 8; ++i) kT[static_cast<size_t>(d) * Lp + l0 + i] = i < n ? elem(rows[l0 + i] + d) : 0.0f;
+    }
+}
+
+// sc[g * Lp + l] = scale * sum over d of q[g, d] * key l's element d, for G query heads (rows of qf, hd apart) and
+// keys 0..Lr-1 of kT (keys_transposed), and whatever the keys' columns up to the next multiple of 8 * NC give: NC
+// chunks of 8 keys per pass, each sum one fma chain over d from 0, so a score's bits depend on nothing but its
+// query and key.
+template <int G, int NC>
+inline void scores_block(const float* qf, int hd, const float* kT, int Lp, int Lr, float scale, float* sc) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int l0 = 0; l0 < Lr; l0 += 8 * NC) {
+        __m256 acc[NC][G];
+        for (int c = 0; c < NC; ++c)
+            for (int g = 0; g < G; ++g) acc[c][g] = _mm256_setzero_ps();
+        const float* kd = kT + l0;
+        for (int d = 0; d < hd; ++d, kd += Lp) {
+#pragma GCC unroll 2
+            for (int c = 0; c < NC; ++c) {
+                const __m256 k = _mm256_loadu_ps(kd + 8 * c);
+#pragma GCC unroll 8
+                for (int g = 0; g < G; ++g) acc[c][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + g * hd + d), k, acc[c][g]);
+            }
+        }
+        for (int c = 0; c < NC; ++c)
+            for (int g = 0; g < G; ++g) _mm256_storeu_ps(sc + static_cast<size_t>(g) * Lp + l0 + 8 * c, _mm256_mul_ps(acc[c][g], sv));
+    }
+}
+
+// scores_block for any number of heads: blocks of up to 8 (two key chunks per pass where 6 or fewer heads leave
+// the registers for them).
+inline void scores(const float* qf, int group, int hd, const float* kT, int Lp, int Lr, float scale, float* sc) {
+    for (int g0 = 0; g0 < group; g0 += 8) {
+        const float* q = qf + static_cast<size_t>(g0) * hd;
+        float* s = sc + static_cast<size_t>(g0) * Lp;
+        switch (group - g0 < 8 ? group - g0 : 8) {
+            case 1: scores_block<1, 2>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 2: scores_block<2, 2>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 3: scores_block<3, 2>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 4: scores_block<4, 2>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 5: scores_block<5, 2>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 6: scores_block<6, 2>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 7: scores_block<7, 1>(q, hd, kT, Lp, Lr, scale, s); break;
+            default: scores_block<8, 1>(q, hd, kT, Lp, Lr, scale, s); break;
+        }
+    }
+}
+
+// s[0..n-1] = softmax(s[0..n-1]) in place; s is readable and writable up to the next multiple of 8 (those lanes
+// end as junk). The max is exact in any order; the sum runs in 8 lanes, the last chunk's lanes past n zeroed, then
+// across them: a fixed order for a given n.
+inline void softmax_row(float* s, int n) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int l = 0;
+    for (; l + 8 <= n; l += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + l));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m8);
+    float mx = lanes[0];
+    for (int j = 1; j < 8; ++j) mx = lanes[j] > mx ? lanes[j] : mx;
+    for (; l < n; ++l) mx = s[l] > mx ? s[l] : mx;
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (l = 0; l < n; l += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), mv));
+        _mm256_storeu_ps(s + l, e);
+        const __m256 live = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(static_cast<float>(n - l)),
+                                          _CMP_LT_OQ);
+        sum8 = _mm256_add_ps(sum8, _mm256_and_ps(e, live));
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum8));
+    for (l = 0; l < n; l += 8) _mm256_storeu_ps(s + l, _mm256_mul_ps(_mm256_loadu_ps(s + l), inv));
+}
+
+// out[0..63] = sum over l of p[l] * vf[l, d0 + 0..63], one fma per element in order of l from 0 (whatever the
+// vector width: the same bits), the 64 sums kept in registers over all positions.
 template <int LANES>
 inline void pv_columns(const float* p, const float* vf, int L, int hd, float* out, int d0) {
     using F = F32<LANES>;
@@ -846,7 +941,7 @@ inline void pv_columns(const float* p, const float* vf, int L, int hd, float* ou
         const V pl = F::set1(p[l]);
         const float* v = vf + static_cast<size_t>(l) * hd + d0;
 #pragma GCC unroll 8
-        for (int j = 0; j < nv; ++j) sum[j] = F::add(sum[j], F::mul(pl, F::load(v + F::lanes * j)));
+        for (int j = 0; j < nv; ++j) sum[j] = F::fma(pl, F::load(v + F::lanes * j), sum[j]);
     }
     for (int j = 0; j < nv; ++j) F::store(out + F::lanes * j, sum[j]);
 }
@@ -999,51 +1094,31 @@ void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const voi
         const int gi = job / Hkv, kvh = job % Hkv, r0 = starts[gi], r1 = starts[gi + 1];
         int L = 0;  // positions any row of the job sees
         for (int r = r0; r < r1; ++r) L = len[r] > L ? len[r] : L;
-        float* buf = new float[static_cast<size_t>(group) * (2 * hd + L) + 2 * static_cast<size_t>(L) * hd];
+        const int Lp = (L + 15) / 16 * 16;
+        float* buf = new float[static_cast<size_t>(group) * (2 * hd + Lp) + static_cast<size_t>(Lp + L) * hd];
         float* qf = buf;                                    // [group, hd]
-        float* sc = buf + static_cast<size_t>(group) * hd;  // [group, L]
-        float* acc = sc + static_cast<size_t>(group) * L;   // [group, hd]
-        float* kf = acc + static_cast<size_t>(group) * hd;  // [L, hd]: the key rows in fp32
-        float* vf = kf + static_cast<size_t>(L) * hd;       // [L, hd]: the value rows in fp32
+        float* sc = buf + static_cast<size_t>(group) * hd;  // [group, Lp]: a row's scores, then its weights
+        float* acc = sc + static_cast<size_t>(group) * Lp;  // [group, hd]
+        float* kT = acc + static_cast<size_t>(group) * hd;  // [hd, Lp]: the keys in fp32, one column each
+        float* vf = kT + static_cast<size_t>(Lp) * hd;      // [L, hd]: the value rows in fp32
         const size_t head_base = (static_cast<size_t>(slot[r0]) * Hkv + kvh) * max_len;
         auto pos_of = [&](int l) -> size_t { return off[r0] < 0 ? l : static_cast<size_t>(idx[off[r0] + l]); };
+        size_t* rows = static_cast<size_t*>(malloc(sizeof(size_t) * (L + 1)));
         for (int l = 0; l < L; ++l) {
-            load(kc, (head_base + pos_of(l)) * hd, kf + static_cast<size_t>(l) * hd);
-            load(vc, (head_base + pos_of(l)) * hd, vf + static_cast<size_t>(l) * hd);
+            rows[l] = (head_base + pos_of(l)) * hd;
+            load(vc, rows[l], vf + static_cast<size_t>(l) * hd);
         }
+        keys_transposed(kc, bf16, rows, L, Lp, hd, kT);
+        free(rows);
         for (int r = r0; r < r1; ++r) {
             const int Lr = len[r];
             for (int g = 0; g < group; ++g)
                 load(q, static_cast<size_t>(r) * q_stride + static_cast<size_t>(kvh * group + g) * hd, qf + g * hd);
-            for (int l = 0; l < Lr; ++l) {
-                const float* row = kf + static_cast<size_t>(l) * hd;
-                int g = 0;
-                for (; g + 4 <= group; g += 4) {
-                    float d4[4];
-                    dot4_f32(qf + g * hd, hd, row, hd, d4);
-                    for (int j = 0; j < 4; ++j) sc[(g + j) * Lr + l] = d4[j] * scale;
-                }
-                for (; g < group; ++g) sc[g * Lr + l] = dot_f32(qf + g * hd, row, hd) * scale;
-            }
-            for (int g = 0; g < group; ++g) {
-                float* s = sc + static_cast<size_t>(g) * Lr;
-                float mx = -INFINITY;
-                for (int l = 0; l < Lr; ++l) mx = s[l] > mx ? s[l] : mx;
-                for (int l = 0; l < Lr; l += 8) {  // exp8 on 8 positions at a time (a padded last chunk)
-                    alignas(32) float e8[8] = {};
-                    const int n = Lr - l < 8 ? Lr - l : 8;
-                    for (int j = 0; j < n; ++j) e8[j] = s[l + j] - mx;
-                    _mm256_store_ps(e8, exp8(_mm256_load_ps(e8)));
-                    memcpy(s + l, e8, sizeof(float) * n);
-                }
-                float sum = 0.0f;
-                for (int l = 0; l < Lr; ++l) sum += s[l];
-                const float inv = 1.0f / sum;
-                for (int l = 0; l < Lr; ++l) s[l] *= inv;
-            }
+            scores(qf, group, hd, kT, Lp, Lr, scale, sc);
+            for (int g = 0; g < group; ++g) softmax_row(sc + static_cast<size_t>(g) * Lp, Lr);
             // acc[g] = sum over l of p[g, l] * v[l], 64 columns at a time (pv_columns; AVX-512: 16 lanes).
             for (int g = 0; g < group; ++g) {
-                const float* p = sc + static_cast<size_t>(g) * Lr;
+                const float* p = sc + static_cast<size_t>(g) * Lp;
                 float* a = acc + static_cast<size_t>(g) * hd;
                 int d0 = 0;
                 for (; d0 + 64 <= hd; d0 += 64)
@@ -1052,20 +1127,27 @@ void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const voi
 #else
                     pv_columns<8>(p, vf, Lr, hd, a + d0, d0);
 #endif
-                for (int d = d0; d < hd; ++d) {
+                for (int d = d0; d < hd; ++d) {  // as pv_columns: one fma per position
                     float acc_d = 0.0f;
-                    for (int l = 0; l < Lr; ++l) acc_d += p[l] * vf[static_cast<size_t>(l) * hd + d];
+                    for (int l = 0; l < Lr; ++l) acc_d = fmaf(p[l], vf[static_cast<size_t>(l) * hd + d], acc_d);
                     a[d] = acc_d;
                 }
             }
             for (int g = 0; g < group; ++g) {
                 const size_t at = (static_cast<size_t>(r) * H + kvh * group + g) * hd;
-                for (int d = 0; d < hd; ++d) {
-                    if (bf16)
-                        static_cast<uint16_t*>(out)[at + d] = f32_to_bf16(acc[g * hd + d]);
-                    else
-                        static_cast<float*>(out)[at + d] = acc[g * hd + d];
+                const float* a = acc + static_cast<size_t>(g) * hd;
+                if (!bf16) {
+                    memcpy(static_cast<float*>(out) + at, a, sizeof(float) * hd);
+                    continue;
                 }
+                uint16_t* o16 = static_cast<uint16_t*>(out) + at;
+                int d = 0;
+                for (; d + 8 <= hd; d += 8) {  // round_bf16_8: f32_to_bf16's bits, 8 at a time
+                    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(_mm256_loadu_ps(a + d))), 16);
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(o16 + d),
+                                     _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+                }
+                for (; d < hd; ++d) o16[d] = f32_to_bf16(a[d]);
             }
         }
         delete[] buf;
