@@ -72,6 +72,25 @@ def base_library(base: str) -> object:
         return qk.load(qk.isa(), Path(tmp))
 
 
+def timed_alternately(libs: dict[str, object], call, rounds: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Median ms of `call()` on each library, the libraries alternated round by round (4 calls per turn, the first
+    untimed), and each library's last output."""
+    spent: dict[str, list[float]] = {name: [] for name in libs}
+    outs = {}
+    try:
+        for r in range(rounds):
+            for name in list(libs) if r % 2 == 0 else list(libs)[::-1]:
+                qk.use(libs[name])
+                for rep in range(4):
+                    t0 = time.perf_counter()
+                    outs[name] = call()
+                    if rep > 0:
+                        spent[name].append(time.perf_counter() - t0)
+    finally:
+        qk.use(None)
+    return {name: statistics.median(t) * 1e3 for name, t in spent.items()}, outs
+
+
 @torch.inference_mode()
 def layers_ab(libs: dict[str, object], formats: list[str], k: int, n: int, count: int, rows: list[int],
               rounds: int) -> list[dict]:
@@ -86,18 +105,8 @@ def layers_ab(libs: dict[str, object], formats: list[str], k: int, n: int, count
             move_to_huge_pages(mod)
         for m in rows:
             x = torch.randn(m, k, generator=g).bfloat16()
-            spent: dict[str, list[float]] = {name: [] for name in libs}
-            outs = {}
-            for r in range(rounds):
-                for name in list(libs) if r % 2 == 0 else list(libs)[::-1]:
-                    qk.use(libs[name])
-                    for rep in range(4):
-                        t0 = time.perf_counter()
-                        outs[name] = torch.cat([mod(x) for mod in mods], dim=1)
-                        if rep > 0:
-                            spent[name].append(time.perf_counter() - t0)
-            qk.use(None)
-            ms = {name: statistics.median(t) * 1e3 for name, t in spent.items()}
+            ms, outs = timed_alternately(libs, lambda x=x, mods=mods: torch.cat([mod(x) for mod in mods], dim=1),
+                                         rounds)
             first = next(iter(libs))
             table.append(dict(format=fmt, rows=m, ms={lib: round(t, 3) for lib, t in ms.items()},
                               gmac_s={lib: round(m * k * n * count / t / 1e6, 1) for lib, t in ms.items()},
@@ -117,20 +126,15 @@ def attention_ab(libs: dict[str, object], heads: int, kv_heads: int, head_dim: i
     for m in rows:
         q = torch.randn(m, heads, head_dim, generator=g).bfloat16()
         plan = qk.RowPlan.from_rows([(0, i, 0, context + i + 1) for i in range(m)])
-        spent: dict[str, list[float]] = {name: [] for name in libs}
-        outs = {}
-        for r in range(rounds):
-            for name in list(libs) if r % 2 == 0 else list(libs)[::-1]:
-                qk.use(libs[name])
-                for rep in range(4):
-                    t0 = time.perf_counter()
-                    for _ in range(layers):
-                        outs[name] = qk.attend_rows(q, kc, vc, plan)
-                    if rep > 0:
-                        spent[name].append(time.perf_counter() - t0)
-        qk.use(None)
+
+        def call(q=q, plan=plan) -> torch.Tensor:
+            for _ in range(layers):
+                out = qk.attend_rows(q, kc, vc, plan)
+            return out
+
+        ms, outs = timed_alternately(libs, call, rounds)
         first = next(iter(libs))
-        table.append(dict(rows=m, ms={name: round(statistics.median(t) * 1e3, 3) for name, t in spent.items()},
+        table.append(dict(rows=m, ms={name: round(t, 3) for name, t in ms.items()},
                           same_bits={name: bool(torch.equal(outs[first], o)) for name, o in outs.items()}))
     return table
 
