@@ -801,6 +801,7 @@ struct F32<8> {
     static __m256 set1(float x) { return _mm256_set1_ps(x); }
     static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
     static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+    static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
     static __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 };
 #if defined(__AVX512F__)
@@ -812,6 +813,7 @@ struct F32<16> {
     static __m512 set1(float x) { return _mm512_set1_ps(x); }
     static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
     static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+    static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
     static __m512 fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 };
 #endif
@@ -835,7 +837,7 @@ inline void transpose8(__m256 r[8]) {
 }
 
 // Key rows `rows[0..L-1]` (element offsets into the bf16 / fp32 cache) as fp32 columns: kT[d * Lp + l] = key l's
-// element d, Lp >= L a multiple of 16, columns L..Lp-1 zero. 8 keys x 8 elements at a time through registers.
+// element d, Lp >= L a multiple of 8, columns L..Lp-1 zero. 8 keys x 8 elements at a time through registers.
 inline void keys_transposed(const void* kc, int bf16, const size_t* rows, int L, int Lp, int hd, float* kT) {
     auto row8 = [&](size_t at) {
         if (bf16) {
@@ -859,37 +861,75 @@ inline void keys_transposed(const void* kc, int bf16, const size_t* rows, int L,
     }
 }
 
+// The widest float vector of this build: 16 lanes with AVX-512, else 8. Scores and p x v are one fma chain per
+// element whatever the width, so both builds give the same bits.
+#if defined(__AVX512F__)
+constexpr int ATT_W = 16;
+#else
+constexpr int ATT_W = 8;
+#endif
+constexpr int ATT_NC = 2;                // key chunks per pass in scores_block
+constexpr int ATT_PAD = ATT_W * ATT_NC;  // kT's and the score rows' length Lp is a multiple of this
+
 // sc[g * Lp + l] = scale * sum over d of q[g, d] * key l's element d, for G query heads (rows of qf, hd apart) and
-// keys 0..Lr-1 of kT (keys_transposed), and whatever the keys' columns up to the next multiple of 8 * NC give: NC
-// chunks of 8 keys per pass, each sum one fma chain over d from 0, so a score's bits depend on nothing but its
+// keys 0..Lr-1 of kT (keys_transposed), and whatever the keys' columns up to the next multiple of ATT_PAD give: NC
+// chunks of ATT_W keys per pass, each sum one fma chain over d from 0, so a score's bits depend on nothing but its
 // query and key.
 template <int G, int NC>
 inline void scores_block(const float* qf, int hd, const float* kT, int Lp, int Lr, float scale, float* sc) {
-    const __m256 sv = _mm256_set1_ps(scale);
-    for (int l0 = 0; l0 < Lr; l0 += 8 * NC) {
-        __m256 acc[NC][G];
+    using F = F32<ATT_W>;
+    using V = typename F::V;
+    const V sv = F::set1(scale);
+    for (int l0 = 0; l0 < Lr; l0 += ATT_W * NC) {
+        V acc[NC][G];
         for (int c = 0; c < NC; ++c)
-            for (int g = 0; g < G; ++g) acc[c][g] = _mm256_setzero_ps();
+            for (int g = 0; g < G; ++g) acc[c][g] = F::zero();
         const float* kd = kT + l0;
         for (int d = 0; d < hd; ++d, kd += Lp) {
 #pragma GCC unroll 2
             for (int c = 0; c < NC; ++c) {
-                const __m256 k = _mm256_loadu_ps(kd + 8 * c);
+                const V k = F::load(kd + ATT_W * c);
 #pragma GCC unroll 8
-                for (int g = 0; g < G; ++g) acc[c][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + g * hd + d), k, acc[c][g]);
+                for (int g = 0; g < G; ++g) acc[c][g] = F::fma(F::set1(qf[g * hd + d]), k, acc[c][g]);
             }
         }
         for (int c = 0; c < NC; ++c)
-            for (int g = 0; g < G; ++g) _mm256_storeu_ps(sc + static_cast<size_t>(g) * Lp + l0 + 8 * c, _mm256_mul_ps(acc[c][g], sv));
+            for (int g = 0; g < G; ++g) F::store(sc + static_cast<size_t>(g) * Lp + l0 + ATT_W * c, F::mul(acc[c][g], sv));
     }
 }
 
-// scores_block for any number of heads: blocks of up to 8 (two key chunks per pass where 6 or fewer heads leave
-// the registers for them).
+// acc[g, d] = sum over l < Lr of p[g * Lp + l] * vf[l, d] for G heads, one fma chain per element in order of l
+// (the same bits in every build): ATT_W columns of all G heads per pass, so each value vector serves G chains.
+template <int G>
+inline void pv_block(const float* p, int Lp, const float* vf, int Lr, int hd, float* acc) {
+    using F = F32<ATT_W>;
+    using V = typename F::V;
+    int d0 = 0;
+    for (; d0 + ATT_W <= hd; d0 += ATT_W) {
+        V a[G];
+        for (int g = 0; g < G; ++g) a[g] = F::zero();
+        for (int l = 0; l < Lr; ++l) {
+            const V v = F::load(vf + static_cast<size_t>(l) * hd + d0);
+#pragma GCC unroll 8
+            for (int g = 0; g < G; ++g) a[g] = F::fma(F::set1(p[static_cast<size_t>(g) * Lp + l]), v, a[g]);
+        }
+        for (int g = 0; g < G; ++g) F::store(acc + static_cast<size_t>(g) * hd + d0, a[g]);
+    }
+    for (int g = 0; g < G; ++g)
+        for (int d = d0; d < hd; ++d) {
+            float s = 0.0f;
+            for (int l = 0; l < Lr; ++l) s = fmaf(p[static_cast<size_t>(g) * Lp + l], vf[static_cast<size_t>(l) * hd + d], s);
+            acc[static_cast<size_t>(g) * hd + d] = s;
+        }
+}
+
+// scores_block and pv_block for any number of heads, in blocks of up to 8 (the AVX2 build: one key chunk per pass
+// for 7 or 8 heads, whose accumulators would not leave registers for a second).
 inline void scores(const float* qf, int group, int hd, const float* kT, int Lp, int Lr, float scale, float* sc) {
     for (int g0 = 0; g0 < group; g0 += 8) {
         const float* q = qf + static_cast<size_t>(g0) * hd;
         float* s = sc + static_cast<size_t>(g0) * Lp;
+        constexpr int NC8 = ATT_W == 16 ? 2 : 1;
         switch (group - g0 < 8 ? group - g0 : 8) {
             case 1: scores_block<1, 2>(q, hd, kT, Lp, Lr, scale, s); break;
             case 2: scores_block<2, 2>(q, hd, kT, Lp, Lr, scale, s); break;
@@ -897,8 +937,25 @@ inline void scores(const float* qf, int group, int hd, const float* kT, int Lp, 
             case 4: scores_block<4, 2>(q, hd, kT, Lp, Lr, scale, s); break;
             case 5: scores_block<5, 2>(q, hd, kT, Lp, Lr, scale, s); break;
             case 6: scores_block<6, 2>(q, hd, kT, Lp, Lr, scale, s); break;
-            case 7: scores_block<7, 1>(q, hd, kT, Lp, Lr, scale, s); break;
-            default: scores_block<8, 1>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 7: scores_block<7, NC8>(q, hd, kT, Lp, Lr, scale, s); break;
+            default: scores_block<8, NC8>(q, hd, kT, Lp, Lr, scale, s); break;
+        }
+    }
+}
+
+inline void pv(const float* p, int Lp, int group, const float* vf, int Lr, int hd, float* acc) {
+    for (int g0 = 0; g0 < group; g0 += 8) {
+        const float* pg = p + static_cast<size_t>(g0) * Lp;
+        float* a = acc + static_cast<size_t>(g0) * hd;
+        switch (group - g0 < 8 ? group - g0 : 8) {
+            case 1: pv_block<1>(pg, Lp, vf, Lr, hd, a); break;
+            case 2: pv_block<2>(pg, Lp, vf, Lr, hd, a); break;
+            case 3: pv_block<3>(pg, Lp, vf, Lr, hd, a); break;
+            case 4: pv_block<4>(pg, Lp, vf, Lr, hd, a); break;
+            case 5: pv_block<5>(pg, Lp, vf, Lr, hd, a); break;
+            case 6: pv_block<6>(pg, Lp, vf, Lr, hd, a); break;
+            case 7: pv_block<7>(pg, Lp, vf, Lr, hd, a); break;
+            default: pv_block<8>(pg, Lp, vf, Lr, hd, a); break;
         }
     }
 }
@@ -926,24 +983,6 @@ inline void softmax_row(float* s, int n) {
     }
     const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum8));
     for (l = 0; l < n; l += 8) _mm256_storeu_ps(s + l, _mm256_mul_ps(_mm256_loadu_ps(s + l), inv));
-}
-
-// out[0..63] = sum over l of p[l] * vf[l, d0 + 0..63], one fma per element in order of l from 0 (whatever the
-// vector width: the same bits), the 64 sums kept in registers over all positions.
-template <int LANES>
-inline void pv_columns(const float* p, const float* vf, int L, int hd, float* out, int d0) {
-    using F = F32<LANES>;
-    using V = typename F::V;
-    constexpr int nv = 64 / LANES;
-    V sum[nv];
-    for (int j = 0; j < nv; ++j) sum[j] = F::zero();
-    for (int l = 0; l < L; ++l) {
-        const V pl = F::set1(p[l]);
-        const float* v = vf + static_cast<size_t>(l) * hd + d0;
-#pragma GCC unroll 8
-        for (int j = 0; j < nv; ++j) sum[j] = F::fma(pl, F::load(v + F::lanes * j), sum[j]);
-    }
-    for (int j = 0; j < nv; ++j) F::store(out + F::lanes * j, sum[j]);
 }
 
 }  // namespace
@@ -1096,7 +1135,7 @@ void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const voi
         const int gi = job / Hkv, kvh = job % Hkv, r0 = starts[gi], r1 = starts[gi + 1];
         int L = 0;  // positions any row of the job sees
         for (int r = r0; r < r1; ++r) L = len[r] > L ? len[r] : L;
-        const int Lp = (L + 15) / 16 * 16;
+        const int Lp = (L + ATT_PAD - 1) / ATT_PAD * ATT_PAD;
         float* buf = new float[static_cast<size_t>(group) * (2 * hd + Lp) + static_cast<size_t>(Lp + L) * hd];
         float* qf = buf;                                    // [group, hd]
         float* sc = buf + static_cast<size_t>(group) * hd;  // [group, Lp]: a row's scores, then its weights
@@ -1118,23 +1157,7 @@ void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const voi
                 load(q, static_cast<size_t>(r) * q_stride + static_cast<size_t>(kvh * group + g) * hd, qf + g * hd);
             scores(qf, group, hd, kT, Lp, Lr, scale, sc);
             for (int g = 0; g < group; ++g) softmax_row(sc + static_cast<size_t>(g) * Lp, Lr);
-            // acc[g] = sum over l of p[g, l] * v[l], 64 columns at a time (pv_columns; AVX-512: 16 lanes).
-            for (int g = 0; g < group; ++g) {
-                const float* p = sc + static_cast<size_t>(g) * Lp;
-                float* a = acc + static_cast<size_t>(g) * hd;
-                int d0 = 0;
-                for (; d0 + 64 <= hd; d0 += 64)
-#if defined(__AVX512F__)
-                    pv_columns<16>(p, vf, Lr, hd, a + d0, d0);
-#else
-                    pv_columns<8>(p, vf, Lr, hd, a + d0, d0);
-#endif
-                for (int d = d0; d < hd; ++d) {  // as pv_columns: one fma per position
-                    float acc_d = 0.0f;
-                    for (int l = 0; l < Lr; ++l) acc_d = fmaf(p[l], vf[static_cast<size_t>(l) * hd + d], acc_d);
-                    a[d] = acc_d;
-                }
-            }
+            pv(sc, Lp, group, vf, Lr, hd, acc);  // acc[g] = sum over l of p[g, l] * v[l]
             for (int g = 0; g < group; ++g) {
                 const size_t at = (static_cast<size_t>(r) * H + kvh * group + g) * hd;
                 const float* a = acc + static_cast<size_t>(g) * hd;
