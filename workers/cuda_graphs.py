@@ -150,7 +150,7 @@ class CudaGraphs:
             mask = np.zeros((B, 1, n, longer), dtype=bool)
             mask[..., 0] = True
             self._load(g, flat, mask)
-            self._first_run(g, B, n)
+            self._first_run(g, B, n, replay=False)  # padding: nothing to compute beyond the capture's warm-up
             self.graphs[(B, n, longer)] = g
 
     def _load(self, g: _Graph, flat: list[int], mask: np.ndarray) -> None:
@@ -164,8 +164,9 @@ class CudaGraphs:
         if g.copied is not None:
             g.copied.record()
 
-    def _first_run(self, g: _Graph, B: int, n: int) -> None:
-        """A new shape's first forward: captured and replayed (capture=False: run eagerly)."""
+    def _first_run(self, g: _Graph, B: int, n: int, replay: bool = True) -> None:
+        """A new shape's first forward: captured (its warm-up runs the inputs once) and replayed unless `replay` is
+        False; capture=False: the eager forward in place of both."""
         if not self.capture:
             static_forward(self.model, self.kv, g.inputs, B, n, self.logits)
             return
@@ -176,7 +177,8 @@ class CudaGraphs:
                 f"capturing a forward of {B} x {n} tokens failed ({e}); cuda_graphs=False "
                 "(CLI --no-cuda-graphs) runs every forward eagerly"
             ) from e
-        g.graph.replay()
+        if replay:
+            g.graph.replay()
 
     def _allocate(self, B: int, n: int, L: int) -> _Graph:
         size = 4 * B * n + B

@@ -47,14 +47,20 @@ inline __m256 round_bf16_8(__m256 x) {
     return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// 8 activations from `at` of a bf16 / fp32 buffer into fp32 (bf16: the bits shifted up, exact).
-inline void load8(const void* p, int64_t at, int bf16, float* dst) {
+// 8 activations from `at` of a bf16 / fp32 buffer as fp32 (bf16: the bits shifted up, exact); load8 stores them.
+inline __m256 load8v(const void* p, int64_t at, int bf16) {
     if (bf16) {
         const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + at));
-        _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-    } else {
-        memcpy(dst, static_cast<const float*>(p) + at, sizeof(float) * 8);
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
+    return _mm256_loadu_ps(static_cast<const float*>(p) + at);
+}
+inline void load8(const void* p, int64_t at, int bf16, float* dst) { _mm256_storeu_ps(dst, load8v(p, at, bf16)); }
+
+// dst[0..7] = x rounded to bf16 (f32_to_bf16's bits, 8 at a time).
+inline void store_bf16_8(uint16_t* dst, __m256 x) {
+    const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(x)), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)));
 }
 
 // exp(x) for 8 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), x clamped to

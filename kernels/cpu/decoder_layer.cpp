@@ -66,10 +66,8 @@ static void silu_mul_part(const void* gu, void* y, int bf16, int M, int I, int t
         __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
         if (bf16) sv = round_bf16_8(sv);
         const __m256 yv = _mm256_mul_ps(sv, _mm256_load_ps(u));
-        if (n == 8 && bf16) {  // round to bf16 and keep the high halves, in order
-            const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(yv)), 16);
-            const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(y) + at_y), packed);
+        if (n == 8 && bf16) {
+            store_bf16_8(static_cast<uint16_t*>(y) + at_y, yv);
         } else if (n == 8) {
             _mm256_storeu_ps(static_cast<float*>(y) + at_y, yv);
         } else {

@@ -839,25 +839,18 @@ inline void transpose8(__m256 r[8]) {
 // Key rows `rows[0..L-1]` (element offsets into the bf16 / fp32 cache) as fp32 columns: kT[d * Lp + l] = key l's
 // element d, Lp >= L a multiple of 8, columns L..Lp-1 zero. 8 keys x 8 elements at a time through registers.
 inline void keys_transposed(const void* kc, int bf16, const size_t* rows, int L, int Lp, int hd, float* kT) {
-    auto row8 = [&](size_t at) {
-        if (bf16) {
-            const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(kc) + at));
-            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        }
-        return _mm256_loadu_ps(static_cast<const float*>(kc) + at);
-    };
-    auto elem = [&](size_t at) { return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(kc)[at]) : static_cast<const float*>(kc)[at]; };
     const int hd8 = hd - hd % 8;
     for (int l0 = 0; l0 < Lp; l0 += 8) {
         const int n = L - l0 < 8 ? (L - l0 > 0 ? L - l0 : 0) : 8;
         for (int d0 = 0; d0 < hd8; d0 += 8) {
             __m256 r[8];
-            for (int i = 0; i < 8; ++i) r[i] = i < n ? row8(rows[l0 + i] + d0) : _mm256_setzero_ps();
+            for (int i = 0; i < 8; ++i)
+                r[i] = i < n ? load8v(kc, static_cast<int64_t>(rows[l0 + i] + d0), bf16) : _mm256_setzero_ps();
             transpose8(r);
             for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kT + static_cast<size_t>(d0 + i) * Lp + l0, r[i]);
         }
         for (int d = hd8; d < hd; ++d)
-            for (int i = 0; i < 8; ++i) kT[static_cast<size_t>(d) * Lp + l0 + i] = i < n ? elem(rows[l0 + i] + d) : 0.0f;
+            for (int i = 0; i < 8; ++i) kT[static_cast<size_t>(d) * Lp + l0 + i] = i < n ? act_load(kc, rows[l0 + i] + d, bf16) : 0.0f;
     }
 }
 
@@ -929,14 +922,14 @@ inline void scores(const float* qf, int group, int hd, const float* kT, int Lp, 
     for (int g0 = 0; g0 < group; g0 += 8) {
         const float* q = qf + static_cast<size_t>(g0) * hd;
         float* s = sc + static_cast<size_t>(g0) * Lp;
-        constexpr int NC8 = ATT_W == 16 ? 2 : 1;
+        constexpr int NC8 = ATT_W == 16 ? ATT_NC : 1;
         switch (group - g0 < 8 ? group - g0 : 8) {
-            case 1: scores_block<1, 2>(q, hd, kT, Lp, Lr, scale, s); break;
-            case 2: scores_block<2, 2>(q, hd, kT, Lp, Lr, scale, s); break;
-            case 3: scores_block<3, 2>(q, hd, kT, Lp, Lr, scale, s); break;
-            case 4: scores_block<4, 2>(q, hd, kT, Lp, Lr, scale, s); break;
-            case 5: scores_block<5, 2>(q, hd, kT, Lp, Lr, scale, s); break;
-            case 6: scores_block<6, 2>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 1: scores_block<1, ATT_NC>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 2: scores_block<2, ATT_NC>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 3: scores_block<3, ATT_NC>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 4: scores_block<4, ATT_NC>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 5: scores_block<5, ATT_NC>(q, hd, kT, Lp, Lr, scale, s); break;
+            case 6: scores_block<6, ATT_NC>(q, hd, kT, Lp, Lr, scale, s); break;
             case 7: scores_block<7, NC8>(q, hd, kT, Lp, Lr, scale, s); break;
             default: scores_block<8, NC8>(q, hd, kT, Lp, Lr, scale, s); break;
         }
@@ -1099,7 +1092,7 @@ int ssd_argmax_rows(const float* x, int M, int64_t V, int64_t* out, int nthreads
 // tokens do) share a job of up to max(1, R / nt) rows, whose key and value rows are converted to fp32 once
 // (exact, so each row's arithmetic is what it is alone); a tree row is a job of its own. Thread t of nt:
 // its contiguous share of the jobs. The keys go into fp32 columns (keys_transposed), so that scores_block
-// computes 8 keys' scores per vector with one fma chain each and no horizontal sums (a dot product per key and
+// computes ATT_W keys' scores per vector with one fma chain each and no horizontal sums (a dot product per key and
 // head, summed across lanes, took 1.5-2x the time at 8-16 rows).
 void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const void* vc, void* out, int bf16, int R,
                       int H, int Hkv, int hd, int max_len, const int32_t* slot, const int32_t* len, const int64_t* off,
@@ -1167,11 +1160,7 @@ void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const voi
                 }
                 uint16_t* o16 = static_cast<uint16_t*>(out) + at;
                 int d = 0;
-                for (; d + 8 <= hd; d += 8) {  // round_bf16_8: f32_to_bf16's bits, 8 at a time
-                    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(_mm256_loadu_ps(a + d))), 16);
-                    _mm_storeu_si128(reinterpret_cast<__m128i*>(o16 + d),
-                                     _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-                }
+                for (; d + 8 <= hd; d += 8) store_bf16_8(o16 + d, _mm256_loadu_ps(a + d));
                 for (; d < hd; ++d) o16[d] = f32_to_bf16(a[d]);
             }
         }
