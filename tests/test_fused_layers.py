@@ -213,3 +213,37 @@ def test_fused_layers_give_the_same_bits_from_any_thread_and_team_size():
                     assert torch.equal(x, y), f"{n} threads, forward {i}: max diff {(x - y).abs().max().item()}"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_one_token_steps_take_the_lean_path_with_the_same_bits(monkeypatch):
+    """A one-token forward of one sequence (a decode step) runs ModelRunner's OneTokenStep: the same logits and cache
+    as the general forward; trees, other shapes and a model off the fused layers go the general way."""
+    model = tiny("w4a8")
+    lean, general = ModelRunner(model, max_slots=2, max_len=64), ModelRunner(model, max_slots=2, max_len=64)
+    general.one_token = None
+    assert lean.one_token is not None
+    calls = []
+    real = lean.one_token.hidden
+    monkeypatch.setattr(lean.one_token, "hidden", lambda *a: calls.append(a) or real(*a))
+    for r in (lean, general):
+        r.allocate()
+        r.forward([0], [[3, 1, 4, 1, 5]])
+    tok, outs = 9, {id(lean): [], id(general): []}
+    for step in range(6):
+        for r in (lean, general):
+            last_only = step % 2 == 0
+            outs[id(r)].append(r.forward([0], [[tok]], last_only=last_only))
+        tok = int(outs[id(lean)][-1].reshape(-1, VOCAB)[-1].argmax())
+    assert len(calls) == 6
+    for x, y in zip(outs[id(lean)], outs[id(general)]):
+        assert x.shape == y.shape and torch.equal(x, y)
+    assert lean.length(0) == general.length(0) == 11
+    assert torch.equal(lean.kv.k[:, 0, :, :11], general.kv.k[:, 0, :, :11])
+    assert torch.equal(lean.kv.v[:, 0, :, :11], general.kv.v[:, 0, :, :11])
+    lean.forward([0], [[7]], parents=[[-1]])  # a tree node: the general path, not asked
+    assert len(calls) == 6
+    model.use_fused_layers = False
+    lean.truncate(0, 11)
+    general.truncate(0, 11)
+    assert torch.equal(lean.forward([0], [[7]]), general.forward([0], [[7]]))
+    assert len(calls) == 7  # asked, and declined: the model is off the fused layers

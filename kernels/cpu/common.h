@@ -123,9 +123,19 @@ struct Team {
 namespace ssd_team {
 // Linear layers run by a team: every thread calls with the same arguments and `shared` (one pointer all
 // of them see, through which thread 0 hands out the prepared activations); each computes its share of
-// y's columns. They return with y complete and the team in step.
-void linear(const Team& tm, void** shared, const void* x, int M, int N, int K, const uint8_t* w,
-            const uint16_t* scale, const uint16_t* offset, int fmt, void* y, int bf16);
+// y's columns. They return with y complete and the team in step. `linears`: block linears sharing the input
+// x [M, K], each into its y [M, n] with rows ldy elements apart (q, k and v straight into their columns of one
+// buffer); x quantised once per linear, the threads' shares of every linear back to back, one wait at the end.
+struct TeamLinear {
+    int fmt, n;
+    const uint8_t* w;
+    const uint16_t* scale;
+    const uint16_t* offset;  // q4 only
+    void* y;
+    int ldy;
+};
+constexpr int MAX_TEAM_LINEARS = 3;
+void linears(const Team& tm, void** shared, const void* x, int M, int K, const TeamLinear* ls, int count, int bf16);
 void linear_dense(const Team& tm, void** shared, const void* x, int x_bf16, int M, int N, int K, const void* w,
                   int w_bf16, const void* bias, void* y);
 }  // namespace ssd_team

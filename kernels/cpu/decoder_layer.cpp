@@ -87,21 +87,29 @@ void ssd_silu_mul(const void* gu, void* y, int bf16, int M, int I, int nthreads)
 
 namespace {
 
+ssd_team::TeamLinear team_linear(const SsdLinear& l, void* y, int ldy) {
+    return {l.kind, l.n, static_cast<const uint8_t*>(l.w), l.scale, l.kind == 1 ? l.offset : nullptr, y, ldy};
+}
+
+// y[:, :l.n] (rows ldy apart) += l's bias in the activation dtype, as _BlockLinear.forward's y.add_(bias).
+void add_bias(const SsdLinear& l, void* y, int ldy, int M, int bf16) {
+    for (int m = 0; m < M; ++m)
+        for (int n = 0; n < l.n; ++n) {
+            const size_t at = static_cast<size_t>(m) * ldy + n;
+            act_store(y, at, act_load(y, at, bf16) + act_load(l.bias, n, bf16), bf16);
+        }
+}
+
 // One linear layer run by the team (y complete and the team in step on return).
 void run_linear(const Team& tm, void** shared, const SsdLinear& l, const void* x, int M, void* y, int bf16) {
     if (l.kind == 0) {
         ssd_team::linear_dense(tm, shared, x, bf16, M, l.n, l.k, l.w, l.w_bf16, l.bias, y);
         return;
     }
-    ssd_team::linear(tm, shared, x, M, l.n, l.k, static_cast<const uint8_t*>(l.w), l.scale,
-                     l.kind == 1 ? l.offset : nullptr, l.kind, y, bf16);
+    const ssd_team::TeamLinear tl = team_linear(l, y, l.n);
+    ssd_team::linears(tm, shared, x, M, l.k, &tl, 1, bf16);
     if (l.bias == nullptr) return;
-    if (tm.t == 0)  // y + bias in the activation dtype, as _BlockLinear.forward's y.add_(bias)
-        for (int m = 0; m < M; ++m)
-            for (int n = 0; n < l.n; ++n) {
-                const size_t at = static_cast<size_t>(m) * l.n + n;
-                act_store(y, at, act_load(y, at, bf16) + act_load(l.bias, n, bf16), bf16);
-            }
+    if (tm.t == 0) add_bias(l, y, l.n, M, bf16);
     tm.sync();
 }
 
@@ -133,6 +141,18 @@ void layers_team(const Team& tm, void** shared, char* buf, const SsdLayer* layer
         serial([&] { ssd_rmsnorm(x, L.in_norm, h, bf16, T, D, eps); });
         if (L.qkv_parts == 1) {
             run_linear(tm, shared, L.q, h, T, qkv, bf16);
+        } else if (L.q.kind != 0 && L.k.kind != 0 && L.v.kind != 0) {
+            // q, k and v quantised differently: one stage, each straight into its columns of qkv.
+            const size_t cols[3] = {0, static_cast<size_t>(L.q.n), static_cast<size_t>(L.q.n + L.k.n)};
+            const SsdLinear* parts[3] = {&L.q, &L.k, &L.v};
+            ssd_team::TeamLinear tls[3];
+            for (int i = 0; i < 3; ++i) tls[i] = team_linear(*parts[i], static_cast<char*>(qkv) + es * cols[i], qkv_w);
+            ssd_team::linears(tm, shared, h, T, D, tls, 3, bf16);
+            if (L.q.bias != nullptr || L.k.bias != nullptr || L.v.bias != nullptr)
+                serial([&] {
+                    for (int i = 0; i < 3; ++i)
+                        if (parts[i]->bias != nullptr) add_bias(*parts[i], tls[i].y, qkv_w, T, bf16);
+                });
         } else {  // each part into `att` (free until attention), then into its columns of qkv
             int col = 0;
             for (const SsdLinear* part : {&L.q, &L.k, &L.v}) {

@@ -335,7 +335,7 @@ class DecoderModel(nn.Module):
         if self.batch_invariant and kv.rows is None:
             kv.plan_rows()
         if kv.row_plan is not None and self.use_fused_layers:
-            fused = self._fused_layers(kv)
+            fused = self.fused_layers(kv.k_cache, kv.v_cache)
             if fused is not None:
                 return self.norm(self._forward_fused(fused, x, positions, kv))
         cos, sin = self.rope(positions, x.dtype, kv.rope_len)
@@ -344,20 +344,20 @@ class DecoderModel(nn.Module):
             x = layer(x, cos, sin, kv)
         return self.norm(x)
 
-    def _fused_layers(self, kv: KVView) -> FusedLayers | None:
-        """The C descriptors of this model's layers for kv's caches, (re)built when needed; None when
+    def fused_layers(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> FusedLayers | None:
+        """The C descriptors of this model's layers for these caches, (re)built when needed; None when
         the model cannot run them (a refusal is remembered: later forwards only compare the signature)."""
         f = self._fused
-        if f is not None and f.matches(self, kv.k_cache, kv.v_cache):
+        if f is not None and f.matches(self, k_cache, v_cache):
             return f
         self._fused = None
-        key = fused_signature(self, kv.k_cache, kv.v_cache)
+        key = fused_signature(self, k_cache, v_cache)
         if self._fused_refused == key:  # checked before, nothing changed since
             return None
-        if fused_why_not(self, kv.k_cache, kv.v_cache) is not None:
+        if fused_why_not(self, k_cache, v_cache) is not None:
             self._fused_refused = key
             return None
-        self._fused = FusedLayers(self, kv.k_cache, kv.v_cache)
+        self._fused = FusedLayers(self, k_cache, v_cache)
         return self._fused
 
     def _forward_fused(self, fused: FusedLayers, x: torch.Tensor, positions: torch.Tensor, kv: KVView) -> torch.Tensor:
