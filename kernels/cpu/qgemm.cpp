@@ -800,6 +800,7 @@ struct F32<8> {
     static __m256 zero() { return _mm256_setzero_ps(); }
     static __m256 set1(float x) { return _mm256_set1_ps(x); }
     static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+    static __m256 load_act(const void* p, size_t at, int bf16) { return load8v(p, static_cast<int64_t>(at), bf16); }
     static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
     static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
     static __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
@@ -812,6 +813,11 @@ struct F32<16> {
     static __m512 zero() { return _mm512_setzero_ps(); }
     static __m512 set1(float x) { return _mm512_set1_ps(x); }
     static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+    static __m512 load_act(const void* p, size_t at, int bf16) {  // 16 activations as fp32 (bf16: exact)
+        if (!bf16) return _mm512_loadu_ps(static_cast<const float*>(p) + at);
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + at));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
     static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
     static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
     static __m512 fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
@@ -891,10 +897,12 @@ inline void scores_block(const float* qf, int hd, const float* kT, int Lp, int L
     }
 }
 
-// acc[g, d] = sum over l < Lr of p[g * Lp + l] * vf[l, d] for G heads, one fma chain per element in order of l
+// acc[g, d] = sum over l < Lr of p[g * Lp + l] * v_l[d] for G heads, one fma chain per element in order of l
 // (the same bits in every build): ATT_W columns of all G heads per pass, so each value vector serves G chains.
+// v_l: the value row at element rows[l] of the cache vc (bf16 or fp32), read as it is stored (bf16 -> fp32 is
+// exact), so no fp32 copy of the values is written and read back.
 template <int G>
-inline void pv_block(const float* p, int Lp, const float* vf, int Lr, int hd, float* acc) {
+inline void pv_block(const float* p, int Lp, const void* vc, const size_t* rows, int bf16, int Lr, int hd, float* acc) {
     using F = F32<ATT_W>;
     using V = typename F::V;
     int d0 = 0;
@@ -902,7 +910,7 @@ inline void pv_block(const float* p, int Lp, const float* vf, int Lr, int hd, fl
         V a[G];
         for (int g = 0; g < G; ++g) a[g] = F::zero();
         for (int l = 0; l < Lr; ++l) {
-            const V v = F::load(vf + static_cast<size_t>(l) * hd + d0);
+            const V v = F::load_act(vc, rows[l] + d0, bf16);
 #pragma GCC unroll 8
             for (int g = 0; g < G; ++g) a[g] = F::fma(F::set1(p[static_cast<size_t>(g) * Lp + l]), v, a[g]);
         }
@@ -911,7 +919,7 @@ inline void pv_block(const float* p, int Lp, const float* vf, int Lr, int hd, fl
     for (int g = 0; g < G; ++g)
         for (int d = d0; d < hd; ++d) {
             float s = 0.0f;
-            for (int l = 0; l < Lr; ++l) s = fmaf(p[static_cast<size_t>(g) * Lp + l], vf[static_cast<size_t>(l) * hd + d], s);
+            for (int l = 0; l < Lr; ++l) s = fmaf(p[static_cast<size_t>(g) * Lp + l], act_load(vc, rows[l] + d, bf16), s);
             acc[static_cast<size_t>(g) * hd + d] = s;
         }
 }
@@ -936,19 +944,20 @@ inline void scores(const float* qf, int group, int hd, const float* kT, int Lp, 
     }
 }
 
-inline void pv(const float* p, int Lp, int group, const float* vf, int Lr, int hd, float* acc) {
+inline void pv(const float* p, int Lp, int group, const void* vc, const size_t* rows, int bf16, int Lr, int hd,
+               float* acc) {
     for (int g0 = 0; g0 < group; g0 += 8) {
         const float* pg = p + static_cast<size_t>(g0) * Lp;
         float* a = acc + static_cast<size_t>(g0) * hd;
         switch (group - g0 < 8 ? group - g0 : 8) {
-            case 1: pv_block<1>(pg, Lp, vf, Lr, hd, a); break;
-            case 2: pv_block<2>(pg, Lp, vf, Lr, hd, a); break;
-            case 3: pv_block<3>(pg, Lp, vf, Lr, hd, a); break;
-            case 4: pv_block<4>(pg, Lp, vf, Lr, hd, a); break;
-            case 5: pv_block<5>(pg, Lp, vf, Lr, hd, a); break;
-            case 6: pv_block<6>(pg, Lp, vf, Lr, hd, a); break;
-            case 7: pv_block<7>(pg, Lp, vf, Lr, hd, a); break;
-            default: pv_block<8>(pg, Lp, vf, Lr, hd, a); break;
+            case 1: pv_block<1>(pg, Lp, vc, rows, bf16, Lr, hd, a); break;
+            case 2: pv_block<2>(pg, Lp, vc, rows, bf16, Lr, hd, a); break;
+            case 3: pv_block<3>(pg, Lp, vc, rows, bf16, Lr, hd, a); break;
+            case 4: pv_block<4>(pg, Lp, vc, rows, bf16, Lr, hd, a); break;
+            case 5: pv_block<5>(pg, Lp, vc, rows, bf16, Lr, hd, a); break;
+            case 6: pv_block<6>(pg, Lp, vc, rows, bf16, Lr, hd, a); break;
+            case 7: pv_block<7>(pg, Lp, vc, rows, bf16, Lr, hd, a); break;
+            default: pv_block<8>(pg, Lp, vc, rows, bf16, Lr, hd, a); break;
         }
     }
 }
@@ -1142,12 +1151,11 @@ void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const voi
         int L = 0;  // positions any row of the job sees
         for (int r = r0; r < r1; ++r) L = len[r] > L ? len[r] : L;
         const int Lp = (L + ATT_PAD - 1) / ATT_PAD * ATT_PAD;
-        float* buf = work_floats(static_cast<size_t>(group) * (2 * hd + Lp) + static_cast<size_t>(Lp + L) * hd);
+        float* buf = work_floats(static_cast<size_t>(group) * (2 * hd + Lp) + static_cast<size_t>(Lp) * hd);
         float* qf = buf;                                    // [group, hd]
         float* sc = buf + static_cast<size_t>(group) * hd;  // [group, Lp]: a row's scores, then its weights
         float* acc = sc + static_cast<size_t>(group) * Lp;  // [group, hd]
         float* kT = acc + static_cast<size_t>(group) * hd;  // [hd, Lp]: the keys in fp32, one column each
-        float* vf = kT + static_cast<size_t>(Lp) * hd;      // [L, hd]: the value rows in fp32
         const size_t head_base = (static_cast<size_t>(slot[r0]) * Hkv + kvh) * max_len;
         auto pos_of = [&](int l) -> size_t { return off[r0] < 0 ? l : static_cast<size_t>(idx[off[r0] + l]); };
         size_t* rows = static_cast<size_t*>(malloc(sizeof(size_t) * (L + 1)));
@@ -1160,16 +1168,14 @@ void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const voi
                 _mm_prefetch(static_cast<const char*>(kc) + rows[l] / hd * row_bytes + b, _MM_HINT_T1);
                 _mm_prefetch(static_cast<const char*>(vc) + rows[l] / hd * row_bytes + b, _MM_HINT_T1);
             }
-        for (int l = 0; l < L; ++l) load(vc, rows[l], vf + static_cast<size_t>(l) * hd);
         keys_transposed(kc, bf16, rows, L, Lp, hd, kT);
-        free(rows);
         for (int r = r0; r < r1; ++r) {
             const int Lr = len[r];
             for (int g = 0; g < group; ++g)
                 load(q, static_cast<size_t>(r) * q_stride + static_cast<size_t>(kvh * group + g) * hd, qf + g * hd);
             scores(qf, group, hd, kT, Lp, Lr, scale, sc);
             for (int g = 0; g < group; ++g) softmax_row(sc + static_cast<size_t>(g) * Lp, Lr);
-            pv(sc, Lp, group, vf, Lr, hd, acc);  // acc[g] = sum over l of p[g, l] * v[l]
+            pv(sc, Lp, group, vc, rows, bf16, Lr, hd, acc);  // acc[g] = sum over l of p[g, l] * v[l]
             for (int g = 0; g < group; ++g) {
                 const size_t at = (static_cast<size_t>(r) * H + kvh * group + g) * hd;
                 const float* a = acc + static_cast<size_t>(g) * hd;
@@ -1183,6 +1189,7 @@ void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const voi
                 for (; d < hd; ++d) o16[d] = f32_to_bf16(a[d]);
             }
         }
+        free(rows);
     }
     free(starts);
 }
