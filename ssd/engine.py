@@ -160,6 +160,7 @@ class Engine:
             "tau": t["emitted_tokens"] / st.rounds if st.rounds else 0.0,
             "tokens_per_s": t["emitted_tokens"] / self.busy_s if self.busy_s else 0.0,
             "draft_s": st.draft_s,
+            "ssd_wait_s": dict(st.ssd_wait),  # SSD rounds' part of draft_s, split (RoundStats.ssd_wait)
             "verify_s": st.verify_s,
             "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
             "cache_hits_per_k": dict(sorted(st.hits_per_k.items())),

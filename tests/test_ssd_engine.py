@@ -16,6 +16,11 @@ def test_ssd_greedy_equals_ar(models, ar_outputs, backup, k):
         assert [o.token_ids for o in outs] == ar_outputs
         st = llm.stats()
         assert st["cache_hits_per_k"] or st["cache_misses_per_k"]
+        wait = st["ssd_wait_s"]  # the SSD rounds' waits: a part of draft_s, split by cause
+        assert set(wait) <= {"overrun", "backup", "other"} and all(v >= 0 for v in wait.values())
+        assert 0 < sum(wait.values()) <= st["draft_s"] + 1e-9
+        if backup == "neural":  # a different draft misses, and its misses draft just in time
+            assert wait.get("backup", 0) > 0 and st["cache_misses_per_k"]
 
 
 def test_ssd_auto_mode_greedy_equals_ar(models, ar_outputs):
@@ -106,6 +111,7 @@ def test_draft_equal_to_target_hits_every_round(models):
         # every outcome was predicted (k = K, t* = bonus): rounds 2.. came from the outcome cache
         assert m["cache_misses"] == 0 and m["cache_hits"] == n_rounds
         assert set(llm.stats()["cache_hits_per_k"]) == {k}
+        assert llm.stats()["ssd_wait_s"].get("backup", 0) == 0  # no miss, so no just-in-time draft
 
 
 def test_ssd_seeded_sampling_reproducible_in_any_batch(models):

@@ -21,6 +21,9 @@ def spec_of(seq: Sequence) -> SamplingSpec:
 class RoundStats:
     rounds: int = 0
     draft_s: float = 0.0  # time on the critical path waiting for drafts
+    # SSD rounds' part of draft_s, the wait after the verification: "overrun" (the speculation still running),
+    # "backup" (a miss's just-in-time neural draft), "other" (lookup, the resolve round trip, a fast backup).
+    ssd_wait: Counter = field(default_factory=Counter)
     verify_s: float = 0.0  # time waiting for the target
     policy: Counter = field(default_factory=Counter)
     hits_per_k: Counter = field(default_factory=Counter)

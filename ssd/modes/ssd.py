@@ -433,10 +433,13 @@ class SSDMode(DraftBackedMode):
                 raise DraftLost(drafts, outcomes) from e
         t_wait = time.perf_counter() - t1
         self.stats.draft_s += t_wait  # speculation overrun + lookup + backup
+        overrun = min(t_wait, max(0.0, info["seconds"] - t_verify))
+        backup = any(not r.hit and r.draft is not None for r in resolutions)  # the neural backup drafted
+        self.stats.ssd_wait["overrun"] += overrun
+        self.stats.ssd_wait["backup" if backup else "other"] += t_wait - overrun
         if self.tuner is not None and len(seqs) == 1 and len(drafts[0].tokens) == requests[0].k_next:
-            jit = not resolutions[0].hit and resolutions[0].draft is not None  # the neural backup drafted
             self.tuner.observe_round_times(requests[0].k_next, sum(requests[0].fanout), t_verify, info["seconds"],
-                                           t_wait, jit_draft=jit)
+                                           t_wait, jit_draft=backup)
         hits = 0
         ranked = {sid: f for sid, f in info.get("fanout") or []}  # rows that ranked candidates: counts per k
         for s, d, src, o, r, req, (_, _, _, k_next) in zip(seqs, drafts, sources, outcomes, resolutions, requests,
