@@ -1111,8 +1111,8 @@ float* work_floats(size_t n) {
 // layer [S, Hkv, max_len, hd]; q, caches and out share one dtype (bf16 or fp32); math in fp32.
 // One token's result depends on its own query and keys only, so it is batch invariant.
 // Jobs: (rows, kv head). Consecutive rows of one slot that see a prefix of it (off < 0, as a verification's
-// tokens do) share a job of up to max(1, R / nt) rows, whose key and value rows are converted to fp32 once
-// (exact, so each row's arithmetic is what it is alone); a tree row is a job of its own. Thread t of nt:
+// tokens do) share a job of up to max(1, R / nt) rows, whose key rows are converted to fp32 once (exact, so each
+// row's arithmetic is what it is alone; values are read as stored); a tree row is a job of its own. Thread t of nt:
 // its contiguous share of the jobs. The keys go into fp32 columns (keys_transposed), so that scores_block
 // computes ATT_W keys' scores per vector with one fma chain each and no horizontal sums (a dot product per key and
 // head, summed across lanes, took 1.5-2x the time at 8-16 rows).
@@ -1162,11 +1162,11 @@ void attend_rows_part(const void* q, int64_t q_stride, const void* kc, const voi
         for (int l = 0; l < L; ++l) rows[l] = (head_base + pos_of(l)) * hd;
         // The job's keys and values are cold (the weights streamed since): all their lines requested at once
         // keep more misses in flight than the loads below would (0.5B decode: 14.6 -> 13.0 us per layer).
-        const size_t row_bytes = (bf16 ? 2 : 4) * static_cast<size_t>(hd);
+        const size_t es = bf16 ? 2 : 4, row_bytes = es * hd;
         for (int l = 0; l < L; ++l)
             for (size_t b = 0; b < row_bytes; b += 64) {
-                _mm_prefetch(static_cast<const char*>(kc) + rows[l] / hd * row_bytes + b, _MM_HINT_T1);
-                _mm_prefetch(static_cast<const char*>(vc) + rows[l] / hd * row_bytes + b, _MM_HINT_T1);
+                _mm_prefetch(static_cast<const char*>(kc) + rows[l] * es + b, _MM_HINT_T1);
+                _mm_prefetch(static_cast<const char*>(vc) + rows[l] * es + b, _MM_HINT_T1);
             }
         keys_transposed(kc, bf16, rows, L, Lp, hd, kT);
         for (int r = r0; r < r1; ++r) {
