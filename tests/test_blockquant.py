@@ -415,6 +415,8 @@ def test_vnni_builds_give_the_avx2_bits(build, monkeypatch):
     if build not in qk.supported_isas():
         pytest.skip(f"this CPU cannot run the {build} build")
     libs = {name: qk.load(name) for name in ("avx2", build)}
+    if build == "amx":  # q4 and q5 products of 12 or more rows below (13, 16, 21; the 20-token prefill) use the tiles
+        assert libs[build].ssd_amx_min_rows(-1) == 12, "the OS refused AMX's tile state"
 
     def run(fn):
         out = {}
@@ -426,11 +428,11 @@ def test_vnni_builds_give_the_avx2_bits(build, monkeypatch):
     g = torch.Generator().manual_seed(11)
     for cls in CLASSES:
         # 40 rows: 5 tiles (the AVX-512 build's pairs plus an odd tile); 44: 6 tiles, the last pair
-        # 12 rows. M: 1 to 8 rows in one pass, then 9 and 13 in two.
+        # 12 rows. M: 1 to 8 rows in one pass, then 9 and 13 in two (the amx build: 16 in one, 21 in two).
         # K = 288, 352, 896: 9, 11 and 28 blocks (a half-empty pair of tiles at 40 rows).
         for n, k in ((40, 288), (24, 352), (44, 896)):
             lin = cls.from_float(torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.bfloat16)
-            for m in (1, 3, 5, 8, 9, 13):
+            for m in (1, 3, 5, 8, 9, 13, 16, 21):
                 x = torch.randn(m, k, generator=g).bfloat16()
                 base, fast = run(lambda lin=lin, x=x: lin(x))
                 assert torch.equal(base, fast), (cls.__name__, k, m)

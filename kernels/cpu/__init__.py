@@ -1,4 +1,4 @@
-"""CPU kernels (``qgemm.cpp``, AVX2; AVX-512 VNNI or AVX-VNNI where the CPU has it, see ``isa``): block-quantised
+"""CPU kernels (``qgemm.cpp``, AVX2; AVX-512 VNNI (+ AMX) or AVX-VNNI where the CPU has them, ``isa``): block-quantised
 GEMM (int4 / int5 / int8 weights x int8 activations, per block of 32), a dense GEMM for unquantised fp32/bf16
 weights (fp32 accumulation), RMSNorm and token-by-token attention over the KV cache, all row-independent (the
 batch-invariant path); and (``decoder_layer.cpp``) SiLU * up and whole decoder layers built from those
@@ -39,14 +39,18 @@ __all__ = [
 QK = 32  # weights and activations are quantised in blocks of 32 along K
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # Builds of the kernels, best first, with the CPU flags each needs: the VNNI builds do an int8 dot
-# product in one instruction instead of three, and the AVX-512 one runs two weight tiles per 512-bit
-# vector (the same integer sums and per-output float steps, so the same bits as avx2).
+# product in one instruction instead of three, the AVX-512 one runs two weight tiles per 512-bit
+# vector, and the amx one hands q4 / q5 products of 12 or more rows to AMX's tile multiply (all the
+# same integer sums and per-output float steps, so the same bits as avx2).
+_AVX512 = ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")
 ISA_FLAGS = {
-    "avx512vnni": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"),
+    "amx": (*_AVX512, "-mamx-tile", "-mamx-int8"),
+    "avx512vnni": _AVX512,
     "avxvnni": ("-mavxvnni",),
     "avx2": (),
 }
 _ISA_CPU_FLAGS = {
+    "amx": {"avx512f", "avx512vl", "avx512bw", "avx512_vnni", "amx_tile", "amx_int8"},
     "avx512vnni": {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"},
     "avxvnni": {"avx_vnni"},
     "avx2": set(),
@@ -149,6 +153,9 @@ def load(isa_name: str, src_dir: Path | None = None) -> ctypes.CDLL:
               lib.ssd_silu_mul, lib.ssd_decoder_layers):
         f.restype = None
     lib.ssd_argmax_rows.restype = ctypes.c_int  # rows holding a NaN
+    if hasattr(lib, "ssd_amx_min_rows"):  # older source revisions (kernel_ab.py) lack it
+        lib.ssd_amx_min_rows.argtypes = [i]
+        lib.ssd_amx_min_rows.restype = ctypes.c_int
     return lib
 
 

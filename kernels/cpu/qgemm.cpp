@@ -50,6 +50,8 @@
 // The AVX-512 build runs two tiles at once in 512-bit vectors (tile2_dot) for products of 3 or more
 // rows (fewer: tile_dot, see tile_gemm_part), up to 8 activation rows per
 // pass: each lane does what tile_dot does for its row, so the bits are the same as the other builds'.
+// The amx build (AVX-512 plus AMX tiles, Sapphire Rapids and later) hands q4 and q5 products of 12 or more rows
+// to the tile unit (amx_pair): the same integer sums, then the same float steps per output.
 //
 // Threads: the N outputs are split into contiguous ranges of whole tiles, one per OpenMP thread
 // (the caller passes torch.get_num_threads(); torch's own libgomp serves the pragma, so there is one
@@ -62,6 +64,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "common.h"
 
@@ -503,12 +507,194 @@ void tile_pairs(const uint8_t* w, const uint16_t* scale, const uint16_t* offset,
 }
 #endif
 
+#if SSD_TILE2 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SSD_AMX 1
+// AMX (the amx build): a pair of tiles' integer block sums for up to 16 activation rows in one tile multiply.
+// The unpacked codes of a block (or q6 half block) are already AMX's B layout: tile2_dot's vector lo[c] holds
+// codes 8c..8c+3 of the pair's 16 weight rows, 4 bytes per row, i.e. B's row 2c (hi[c]: row 2c + 1); A is the
+// activation rows' int8 block straight from QActs (rows nbp * 32 bytes apart). TDPBSUD (signed activations x
+// unsigned codes) gives the exact sums sum(q * xq), the sum starts (QActs::start) are added as integers, and
+// each output then takes tile2_dot's float steps in the same order: the same bits as every other build.
+// Tiles: 0, 1 = C [R x 16 int32]; 2, 3 = A [R x 32 / parts bytes]; 4, 5 = B [8 / parts x 64 bytes].
+struct AmxConfig {
+    uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once
+// per process; without it a tile instruction faults, so a refusal keeps the AVX-512 kernels.
+bool amx_permitted() {
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ok;
+}
+
+constexpr int AMX_ROWS = 16;  // activation rows per tile multiply (AMX's maximum)
+int g_amx_min_rows = 12;  // products of fewer rows keep tile2_dot (ssd_amx_min_rows; 0: never AMX)
+
+// Tiles at wa, wb (as tile2_dot) against activation rows m0..m0+R-1, R <= 16: acc[16 i + r] as tile2_dot's out.
+// In groups of AMX_GROUP blocks, three phases each: unpack the group's codes, run its tile multiplies, scale its
+// sums into the accumulators. A block at a time, every multiply waited for the stores just before it and every
+// scaling for the multiply (~115 cycles per block: 2.4x tile2_dot's time at 4 rows); the group's multiplies are
+// independent, on two alternating sets of tiles, and read and write only buffers written a phase earlier.
+constexpr int AMX_GROUP = 8;
+template <int FMT>
+__attribute__((noinline)) void amx_pair(const uint8_t* wa, const uint8_t* wb, const uint16_t* sa, const uint16_t* sb,
+                                        const uint16_t* oa, const uint16_t* ob, const QActs& a, int m0, int R, int nb,
+                                        float* acc_out, int pf) {
+    constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
+    constexpr int chunks = 4 / parts, steps = AMX_GROUP * parts;
+    // B per block and part: rows 2c, 2c + 1 = chunk c's low, high codes; the sums [R x 16] of each.
+    alignas(64) uint8_t codes[steps][2 * chunks * 64];
+    alignas(64) int32_t sums[steps][AMX_ROWS * 16];
+    __m512 acc[AMX_ROWS], half[AMX_ROWS];  // as tile2_dot's; rows i >= R stay unused
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; ++i) acc[i] = _mm512_setzero_ps();
+    const size_t rs = a.nbp;
+    for (int g0 = 0; g0 < nb; g0 += AMX_GROUP) {
+        const int gn = nb - g0 < AMX_GROUP ? nb - g0 : AMX_GROUP;
+        for (int j = 0; j < gn; ++j) {
+            const int b = g0 + j;
+            const uint8_t* ba = wa + static_cast<size_t>(b) * block_bytes;
+            const uint8_t* bb = wb + static_cast<size_t>(b) * block_bytes;
+            if (pf != 0) {
+                prefetch_block<FMT>(wa, sa, oa, b, pf);
+                prefetch_block<FMT>(wb, sb, ob, b, pf);
+            }
+            auto load = [&](int off) { return load2(ba + off, bb + off); };
+#pragma GCC unroll 2
+            for (int part = 0; part < parts; ++part) {
+                __m512i lo[chunks], hi[chunks];
+                unpack_codes<FMT>(load, part, lo, hi);
+                for (int cc = 0; cc < chunks; ++cc) {
+                    _mm512_store_si512(codes[j * parts + part] + 128 * cc, lo[cc]);
+                    _mm512_store_si512(codes[j * parts + part] + 128 * cc + 64, hi[cc]);
+                }
+            }
+        }
+        const int8_t* x0 = a.xq + act_at(a, m0, g0) * QK;
+        const int n_steps = gn * parts;
+        auto step = [&](int k) { return x0 + (k / parts) * QK + (k % parts) * (QK / parts); };
+        int k = 0;
+        for (; k + 1 < n_steps; k += 2) {  // tiles 0, 2, 4 and 1, 3, 5: C, A, B
+            _tile_loadd(4, codes[k], 64);
+            _tile_loadd(2, step(k), rs * QK);
+            _tile_zero(0);
+            _tile_loadd(5, codes[k + 1], 64);
+            _tile_loadd(3, step(k + 1), rs * QK);
+            _tile_zero(1);
+            _tile_dpbsud(0, 2, 4);
+            _tile_dpbsud(1, 3, 5);
+            _tile_stored(0, sums[k], 64);
+            _tile_stored(1, sums[k + 1], 64);
+        }
+        if (k < n_steps) {
+            _tile_loadd(4, codes[k], 64);
+            _tile_loadd(2, step(k), rs * QK);
+            _tile_zero(0);
+            _tile_dpbsud(0, 2, 4);
+            _tile_stored(0, sums[k], 64);
+        }
+        for (int j = 0; j < gn; ++j) {
+            const int b = g0 + j;
+            const size_t at0 = act_at(a, m0, b);
+#pragma GCC unroll 2
+            for (int part = 0; part < parts; ++part) {
+                const int32_t* sp = sums[j * parts + part];
+                const __m512 s16 = load_half2(sa + (b * parts + part) * 8, sb + (b * parts + part) * 8);
+                __m512 o16 = _mm512_setzero_ps();
+                if constexpr (FMT == FMT_Q4) o16 = load_half2(oa + b * 8, ob + b * 8);
+                // Unrolled over the most rows, so the accumulators stay in registers (a runtime count kept
+                // them in memory: 10 instructions per row and block instead of 5).
+#pragma GCC unroll 16
+                for (int i = 0; i < AMX_ROWS; ++i) {
+                    if (i >= R) break;
+                    const size_t at = at0 + rs * i;
+                    __m512i sum = _mm512_load_si512(sp + 16 * i);
+                    if constexpr (CODE_OFFSET<FMT> != 0)
+                        sum = _mm512_add_epi32(sum, _mm512_set1_epi32(a.start[at * parts + part]));
+                    const __m512 sumf = _mm512_cvtepi32_ps(sum);
+                    if constexpr (parts == 1)
+                        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s16, _mm512_set1_ps(a.dx[at])), sumf, acc[i]);
+                    else if (part == 0)
+                        half[i] = _mm512_mul_ps(s16, sumf);
+                    else
+                        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a.dx[at]), _mm512_fmadd_ps(s16, sumf, half[i]), acc[i]);
+                    if constexpr (FMT == FMT_Q4) acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(a.sx[at]), acc[i]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; ++i) {
+        if (i >= R) break;
+        _mm512_store_ps(acc_out + 16 * i, acc[i]);
+    }
+}
+
+// tile_pairs with amx_pair: 16 activation rows per pass; an odd last tile goes alone (single_tiles).
+template <int FMT>
+void amx_tile_pairs(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N,
+                    int K, void* y, int y_bf16, int ldy, int t0, int t1) {
+    constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
+    const int nb = K / QK;
+    alignas(64) float part[AMX_ROWS * 16];
+    int configured = -1;  // the rows of the loaded tile configuration
+    int tile = t0;
+    for (; tile + 1 < t1; tile += 2) {
+        const uint8_t* wt = w + static_cast<size_t>(tile) * nb * block_bytes;
+        const uint16_t* st = scale + static_cast<size_t>(tile) * nb * parts * 8;
+        const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
+        const uint8_t* wt2 = wt + static_cast<size_t>(nb) * block_bytes;
+        const uint16_t* st2 = st + static_cast<size_t>(nb) * parts * 8;
+        const uint16_t* ot2 = FMT == FMT_Q4 ? ot + static_cast<size_t>(nb) * 8 : nullptr;
+        const int rows = N - 8 * tile < 16 ? N - 8 * tile : 16;
+        const int passes = (M + AMX_ROWS - 1) / AMX_ROWS, per = (M + passes - 1) / passes;  // 24 rows: 12 + 12
+        for (int m0 = 0; m0 < M; m0 += per) {
+            const int R = M - m0 < per ? M - m0 : per;
+            if (R != configured) {  // per call too: other code on this thread (oneDNN) may load its own
+                AmxConfig cfg;
+                for (int t = 0; t < 2; ++t) {  // C, A, B: tiles t, 2 + t, 4 + t
+                    cfg.rows[t] = static_cast<uint8_t>(R);
+                    cfg.colsb[t] = 64;
+                    cfg.rows[2 + t] = static_cast<uint8_t>(R);
+                    cfg.colsb[2 + t] = QK / parts;
+                    cfg.rows[4 + t] = 8 / parts;
+                    cfg.colsb[4 + t] = 64;
+                }
+                _tile_loadconfig(&cfg);
+                configured = R;
+            }
+            amx_pair<FMT>(wt, wt2, st, st2, ot, ot2, a, m0, R, nb, part, m0 == 0 ? 16384 : 0);
+            for (int i = 0; i < R; ++i)
+                for (int r = 0; r < rows; ++r) {
+                    const size_t at = static_cast<size_t>(m0 + i) * ldy + 8 * tile + r;
+                    if (y_bf16)
+                        static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[16 * i + r]);
+                    else
+                        static_cast<float*>(y)[at] = part[16 * i + r];
+                }
+        }
+    }
+    if (tile < t1) single_tiles<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, ldy, tile, t1);
+}
+#else
+#define SSD_AMX 0
+#endif
+
 template <int FMT>
 void tile_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N,
                     int K, void* y, int y_bf16, int ldy, int t, int nt) {
     const int tiles = (N + 7) / 8;
     const int t0 = static_cast<int>(static_cast<int64_t>(tiles) * t / nt);
     const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (t + 1) / nt);
+#if SSD_AMX
+    // q6 (two multiplies per block) and q8 gained nothing (0.88-1.15x at 12-64 rows, 1 thread, session 34).
+    if ((FMT == FMT_Q4 || FMT == FMT_Q5) && g_amx_min_rows > 0 && M >= g_amx_min_rows && amx_permitted()) {
+        amx_tile_pairs<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, ldy, t0, t1);
+        return;
+    }
+#endif
 #if SSD_TILE2
     if (M >= 3) {
         tile_pairs<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, ldy, t0, t1);
@@ -990,6 +1176,18 @@ inline void softmax_row(float* s, int n) {
 }  // namespace
 
 extern "C" {
+
+// Products of at least `min_rows` activation rows run on AMX (0: none; negative: leave as is); returns the
+// setting in force, 0 where this build or the OS has no AMX.
+int ssd_amx_min_rows(int min_rows) {
+#if SSD_AMX
+    if (min_rows >= 0) g_amx_min_rows = min_rows;
+    return amx_permitted() ? g_amx_min_rows : 0;
+#else
+    (void)min_rows;
+    return 0;
+#endif
+}
 
 // y [M, N] = x [M, K] @ W^T: quantise x's rows (as ssd_quantize_rows), then the block GEMM.
 // x and y share one dtype (bf16 when bf16, else fp32). fmt (all in tiles): 1 q4 (with offsets), 2 q8, 3 q5,
