@@ -424,6 +424,18 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
 #define SSD_TILE2 0
 #endif
 
+// A pass's outputs: part[width * i + r] (activation row i of R, weight row r of `rows`) to y at `at` + i * ldy + r.
+inline void store_pass(const float* part, int width, int R, int rows, void* y, int y_bf16, size_t at, int ldy) {
+    for (int i = 0; i < R; ++i)
+        for (int r = 0; r < rows; ++r) {
+            const size_t o = at + static_cast<size_t>(i) * ldy + r;
+            if (y_bf16)
+                static_cast<uint16_t*>(y)[o] = f32_to_bf16(part[width * i + r]);
+            else
+                static_cast<float*>(y)[o] = part[width * i + r];
+        }
+}
+
 // q4, q5, q6: tiles of 8 rows split between threads; thread t of nt computes its contiguous share of the
 // tiles. One tile at a time, up to 4 activation rows per pass (tile_dot), or in the AVX-512 build pairs
 // of tiles, up to 8 rows per pass (tile2_dot; an odd last tile goes alone) where a pass has 3 or more rows:
@@ -453,54 +465,51 @@ void single_tiles(const uint8_t* w, const uint16_t* scale, const uint16_t* offse
                 case 3: tile_dot<FMT, 3>(wt, st, ot, a, m0, nb, part, pf); break;
                 default: tile_dot<FMT, 4>(wt, st, ot, a, m0, nb, part, pf); break;
             }
-            for (int i = 0; i < RC && m0 + i < M; ++i)
-                for (int r = 0; r < rows; ++r) {
-                    const size_t at = static_cast<size_t>(m0 + i) * ldy + 8 * tile + r;
-                    if (y_bf16)
-                        static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[8 * i + r]);
-                    else
-                        static_cast<float*>(y)[at] = part[8 * i + r];
-                }
+            store_pass(part, 8, M - m0 < RC ? M - m0 : RC, rows, y, y_bf16, static_cast<size_t>(m0) * ldy + 8 * tile, ldy);
         }
     }
 }
 
 #if SSD_TILE2
+// Codes, scales and q4 offsets of tiles `tile` and `tile` + 1 (a pair for tile2_dot or amx_pair).
+template <int FMT>
+struct TilePair {
+    const uint8_t *wa, *wb;
+    const uint16_t *sa, *sb, *oa, *ob;
+    TilePair(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, int tile, int nb) {
+        constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
+        wa = w + static_cast<size_t>(tile) * nb * block_bytes;
+        sa = scale + static_cast<size_t>(tile) * nb * parts * 8;
+        oa = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
+        wb = wa + static_cast<size_t>(nb) * block_bytes;
+        sb = sa + static_cast<size_t>(nb) * parts * 8;
+        ob = FMT == FMT_Q4 ? oa + static_cast<size_t>(nb) * 8 : nullptr;
+    }
+};
+
 template <int FMT>
 void tile_pairs(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N, int K,
                 void* y, int y_bf16, int ldy, int t0, int t1) {
-    constexpr int RC2 = 8, block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
+    constexpr int RC2 = 8;
     const int nb = K / QK;
     alignas(64) float part[RC2 * 16];
     int tile = t0;
     for (; tile + 1 < t1; tile += 2) {
-        const uint8_t* wt = w + static_cast<size_t>(tile) * nb * block_bytes;
-        const uint16_t* st = scale + static_cast<size_t>(tile) * nb * parts * 8;
-        const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
-        const uint8_t* wt2 = wt + static_cast<size_t>(nb) * block_bytes;
-        const uint16_t* st2 = st + static_cast<size_t>(nb) * parts * 8;
-        const uint16_t* ot2 = FMT == FMT_Q4 ? ot + static_cast<size_t>(nb) * 8 : nullptr;
+        const TilePair<FMT> p(w, scale, offset, tile, nb);
         const int rows = N - 8 * tile < 16 ? N - 8 * tile : 16;
         for (int m0 = 0; m0 < M; m0 += RC2) {
             const int pf = m0 == 0 ? 16384 : 0;  // per stream (both tiles stream from memory); as single_tiles
             switch (M - m0 < RC2 ? M - m0 : RC2) {
-                case 1: tile2_dot<FMT, 1>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                case 2: tile2_dot<FMT, 2>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                case 3: tile2_dot<FMT, 3>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                case 4: tile2_dot<FMT, 4>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                case 5: tile2_dot<FMT, 5>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                case 6: tile2_dot<FMT, 6>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                case 7: tile2_dot<FMT, 7>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
-                default: tile2_dot<FMT, 8>(wt, wt2, st, st2, ot, ot2, a, m0, nb, part, pf); break;
+                case 1: tile2_dot<FMT, 1>(p.wa, p.wb, p.sa, p.sb, p.oa, p.ob, a, m0, nb, part, pf); break;
+                case 2: tile2_dot<FMT, 2>(p.wa, p.wb, p.sa, p.sb, p.oa, p.ob, a, m0, nb, part, pf); break;
+                case 3: tile2_dot<FMT, 3>(p.wa, p.wb, p.sa, p.sb, p.oa, p.ob, a, m0, nb, part, pf); break;
+                case 4: tile2_dot<FMT, 4>(p.wa, p.wb, p.sa, p.sb, p.oa, p.ob, a, m0, nb, part, pf); break;
+                case 5: tile2_dot<FMT, 5>(p.wa, p.wb, p.sa, p.sb, p.oa, p.ob, a, m0, nb, part, pf); break;
+                case 6: tile2_dot<FMT, 6>(p.wa, p.wb, p.sa, p.sb, p.oa, p.ob, a, m0, nb, part, pf); break;
+                case 7: tile2_dot<FMT, 7>(p.wa, p.wb, p.sa, p.sb, p.oa, p.ob, a, m0, nb, part, pf); break;
+                default: tile2_dot<FMT, 8>(p.wa, p.wb, p.sa, p.sb, p.oa, p.ob, a, m0, nb, part, pf); break;
             }
-            for (int i = 0; i < RC2 && m0 + i < M; ++i)
-                for (int r = 0; r < rows; ++r) {
-                    const size_t at = static_cast<size_t>(m0 + i) * ldy + 8 * tile + r;
-                    if (y_bf16)
-                        static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[16 * i + r]);
-                    else
-                        static_cast<float*>(y)[at] = part[16 * i + r];
-                }
+            store_pass(part, 16, M - m0 < RC2 ? M - m0 : RC2, rows, y, y_bf16, static_cast<size_t>(m0) * ldy + 8 * tile, ldy);
         }
     }
     if (tile < t1) single_tiles<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, ldy, tile, t1);
@@ -636,18 +645,13 @@ __attribute__((noinline)) void amx_pair(const uint8_t* wa, const uint8_t* wb, co
 template <int FMT>
 void amx_tile_pairs(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const QActs& a, int M, int N,
                     int K, void* y, int y_bf16, int ldy, int t0, int t1) {
-    constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
+    constexpr int parts = SCALE_PARTS<FMT>;
     const int nb = K / QK;
     alignas(64) float part[AMX_ROWS * 16];
     int configured = -1;  // the rows of the loaded tile configuration
     int tile = t0;
     for (; tile + 1 < t1; tile += 2) {
-        const uint8_t* wt = w + static_cast<size_t>(tile) * nb * block_bytes;
-        const uint16_t* st = scale + static_cast<size_t>(tile) * nb * parts * 8;
-        const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
-        const uint8_t* wt2 = wt + static_cast<size_t>(nb) * block_bytes;
-        const uint16_t* st2 = st + static_cast<size_t>(nb) * parts * 8;
-        const uint16_t* ot2 = FMT == FMT_Q4 ? ot + static_cast<size_t>(nb) * 8 : nullptr;
+        const TilePair<FMT> p(w, scale, offset, tile, nb);
         const int rows = N - 8 * tile < 16 ? N - 8 * tile : 16;
         const int passes = (M + AMX_ROWS - 1) / AMX_ROWS, per = (M + passes - 1) / passes;  // 24 rows: 12 + 12
         for (int m0 = 0; m0 < M; m0 += per) {
@@ -665,15 +669,8 @@ void amx_tile_pairs(const uint8_t* w, const uint16_t* scale, const uint16_t* off
                 _tile_loadconfig(&cfg);
                 configured = R;
             }
-            amx_pair<FMT>(wt, wt2, st, st2, ot, ot2, a, m0, R, nb, part, m0 == 0 ? 16384 : 0);
-            for (int i = 0; i < R; ++i)
-                for (int r = 0; r < rows; ++r) {
-                    const size_t at = static_cast<size_t>(m0 + i) * ldy + 8 * tile + r;
-                    if (y_bf16)
-                        static_cast<uint16_t*>(y)[at] = f32_to_bf16(part[16 * i + r]);
-                    else
-                        static_cast<float*>(y)[at] = part[16 * i + r];
-                }
+            amx_pair<FMT>(p.wa, p.wb, p.sa, p.sb, p.oa, p.ob, a, m0, R, nb, part, m0 == 0 ? 16384 : 0);
+            store_pass(part, 16, R, rows, y, y_bf16, static_cast<size_t>(m0) * ldy + 8 * tile, ldy);
         }
     }
     if (tile < t1) single_tiles<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, ldy, tile, t1);
