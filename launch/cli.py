@@ -82,6 +82,8 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                    help="how greedy SSD rows spend the fan-out budget (default: ranked)")
     g.add_argument("--candidate-vocab", choices=("draft", "full"),
                    help="with --draft-vocab, the ids SSD ranks its candidate outcomes over (default: draft)")
+    g.add_argument("--draft-lookahead", type=int,
+                   help="prompt-lookup guesses a greedy draft checks per forward (default 3; 0: off)")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "bf16", "fp32"), help="weights dtype")
     g.add_argument("--max-batch", type=int, help="max concurrent sequences in the running batch")
     g.add_argument("--max-len", type=int, help="max tokens per sequence (prompt + output)")
@@ -217,7 +219,8 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.target_tp is not None and args.target_tp < 1:
         raise CLIError("--target-tp must be >= 1")
     for flag, key in (("k", "k"), ("fanout", "fanout"), ("saguaro_c", "saguaro_c"), ("candidates", "candidates"),
-                      ("candidate_vocab", "candidate_vocab"), ("dtype", "dtype"), ("max_batch", "max_batch"),
+                      ("candidate_vocab", "candidate_vocab"), ("draft_lookahead", "draft_lookahead"),
+                      ("dtype", "dtype"), ("max_batch", "max_batch"),
                       ("max_len", "max_len")):
         v = getattr(args, flag)
         if v is not None:

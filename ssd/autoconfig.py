@@ -106,9 +106,18 @@ class KTuner(_RequestAcceptance):
 
     t_verify: dict[int, float] = field(default_factory=dict)
     t_draft1: float = 0.0
+    # measured / start-up seconds per drafted token (decayed average): lookahead guesses the draft agrees
+    # with make tokens cheaper than a forward each, by how much depends on the text
+    draft_scale: float = 1.0
+    ema: float = 0.3
+
+    def observe_draft(self, k: int, seconds: float) -> None:
+        """A k-token draft took `seconds` (the propose call, as the coordinator waited for it)."""
+        if k > 0 and self.t_draft1 > 0 and seconds > 0:
+            self.draft_scale = (1 - self.ema) * self.draft_scale + self.ema * seconds / (k * self.t_draft1)
 
     def choose(self, seq_ids: Sequence[int] = ()) -> int:
-        return _choose_sd(self.t_verify, self.t_draft1, self.acceptance_of(seq_ids))
+        return _choose_sd(self.t_verify, self.t_draft1 * self.draft_scale, self.acceptance_of(seq_ids))
 
 
 @dataclass

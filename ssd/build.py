@@ -13,6 +13,7 @@ from ssd.handles import LocalHandle, WorkerHandle
 from ssd.modes.base import ARMode, Mode
 from ssd.modes.sd import NgramMode, SDMode
 from ssd.modes.ssd import SSDMode, policy_options
+from ssd.workers.draft_worker import LOOKAHEAD_BRANCHES
 
 log = logging.getLogger("ssd")
 
@@ -42,7 +43,8 @@ def draft_headroom(cfg: Config) -> int:
         budget = make_fanout_planner(cfg, k).B
     if isinstance(cfg.fanout, list):
         budget = sum(cfg.fanout)
-    return (k + 1) * (budget + 1)
+    # + lookahead guesses: up to LOOKAHEAD_BRANCHES branches a step (speculate skips them when out of room)
+    return (k + 1) * (budget + 1) + k * LOOKAHEAD_BRANCHES * cfg.draft_lookahead
 
 
 def make_mode(
@@ -104,7 +106,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
         draft_kwargs = dict(common, max_len=cfg.max_len + draft_headroom(cfg), saguaro_c=cfg.saguaro_c,
                             quantization=cfg.draft_quantization, draft_vocab=cfg.draft_vocab,
                             ranked=ranked_candidates(cfg), context_vocab=cfg.draft_vocab_context,
-                            candidate_vocab=cfg.candidate_vocab)
+                            candidate_vocab=cfg.candidate_vocab, lookahead=cfg.draft_lookahead)
         rtarget, rdraft, rinfo, rtok = place_workers(cfg, target_kwargs=common, draft_kwargs=draft_kwargs)
         return _assemble(cfg, rtarget, rdraft, rinfo, rtok, [h for h in (rtarget, rdraft) if h is not None])
 
@@ -127,7 +129,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
             max_len=cfg.max_len + draft_headroom(cfg), num_threads=cfg.draft_threads, cpu_cores=cfg.draft_cores,
             saguaro_c=cfg.saguaro_c, quantization=cfg.draft_quantization, linear_kernel=cfg.linear_kernel,
             cuda_graphs=cfg.cuda_graphs, draft_vocab=cfg.draft_vocab, ranked=ranked_candidates(cfg),
-            context_vocab=cfg.draft_vocab_context, candidate_vocab=cfg.candidate_vocab,
+            context_vocab=cfg.draft_vocab_context, candidate_vocab=cfg.candidate_vocab, lookahead=cfg.draft_lookahead,
         )
         dinfo = draft_w.info()
         if dinfo["vocab_size"] != info["vocab_size"]:

@@ -49,6 +49,9 @@ class Config:
     # per round).
     candidate_vocab: str = "draft"
     saguaro_c: float = 1.0  # Saguaro sampling coefficient (1.0 = plain draft sampling)
+    # Greedy drafts also feed up to this many prompt-lookup guesses per forward; each guess the draft agrees
+    # with is a draft token without a forward of its own (same tokens as drafting one by one). 0 = off.
+    draft_lookahead: int = 3
     backup: str = "auto"
     max_batch: int = 8
     max_len: int = 2048
@@ -78,6 +81,8 @@ class Config:
             raise ValueError(f"k must be an integer in 1..32, got {self.k!r}")
         if not 0.0 <= self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
+        if not (isinstance(self.draft_lookahead, int) and 0 <= self.draft_lookahead <= 16):
+            raise ValueError(f"draft_lookahead must be an integer in 0..16, got {self.draft_lookahead!r}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if not (isinstance(self.ar_steps, int) and 1 <= self.ar_steps <= 64):

@@ -99,6 +99,7 @@ def test_unknown_alias(cli, models):
 def test_bad_flags(cli, models):
     _one_line_error(*cli("--target", models[0], "--k", "0"), "k must be")
     _one_line_error(*cli("--target", models[0], "--mode", "ssd"), "needs a draft")
+    _one_line_error(*cli("--target", models[0], "--draft-lookahead", "-1"), "draft_lookahead must be")
     if not torch_cuda():
         _one_line_error(*cli("--target", models[0], "--device", "cuda"), "CUDA is not available")
     _one_line_error(*cli("--gpus", "a,b"), "--gpus")

@@ -72,8 +72,8 @@ def test_feed_ahead_commits_draft_what_lazy_ones_do(models):
 
     emitted = [[7], [2], [9, 4], [1], [5], [3], [8], [6]]
     results, feeds = [], []
-    for feed_ahead in (True, False):
-        w = DraftWorker(models[1], dtype="float32", max_slots=1, max_len=128)
+    for feed_ahead in (True, False):  # no lookahead guesses: the rows counted are the committed ones fed
+        w = DraftWorker(models[1], dtype="float32", max_slots=1, max_len=128, lookahead=0)
         w.add(0, PROMPT, SamplingSpec(temperature=0))
         w.propose([(0, K)])
         for toks in emitted:

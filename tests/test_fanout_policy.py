@@ -175,6 +175,25 @@ def test_k_tuner_grows_k_when_drafts_are_accepted_and_shrinks_it_when_not():
     assert tuner.acceptance < 0.5
 
 
+def test_k_tuner_prices_drafts_at_their_measured_cost():
+    """Lookahead guesses make draft tokens cheaper than start-up's one forward each: once drafts are
+    measured at a third of that, the tuner drafts longer; measured dearer, shorter."""
+    from ssd.autoconfig import KTuner, _choose_sd
+
+    slow_verify = {n: 0.10 + 0.002 * n for n in range(2, 10)}
+    tuner = KTuner(t_verify=slow_verify, t_draft1=0.03)
+    start = tuner.choose()
+    for _ in range(20):
+        tuner.observe_draft(start, start * 0.01)
+    assert tuner.draft_scale == pytest.approx(1 / 3, rel=0.01)
+    assert tuner.choose() == _choose_sd(slow_verify, 0.01, tuner.acceptance) > start
+    for _ in range(20):
+        tuner.observe_draft(4, 4 * 0.09)
+    assert tuner.choose() < start
+    tuner.observe_draft(0, 0.5)  # an empty draft says nothing
+    assert tuner.draft_scale == pytest.approx(3, rel=0.01)
+
+
 def test_ssd_tuner_grows_k_when_drafts_are_accepted_and_shrinks_it_when_not():
     from ssd.autoconfig import K_CHOICES, PRIOR_ACCEPTANCE, SSDTuner, _choose_ssd
 

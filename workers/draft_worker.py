@@ -22,11 +22,15 @@ from ssd.workers.base import ModelWorker
 from ssd.workers.messages import Draft, SamplingSpec
 from ssd.workers.models.decoder import DecoderModel
 from ssd.workers.models.vocab_subset import SubsetHead, draft_vocab_ids, restrict_head
+from ssd.workers.ngram import NgramIndex
 from ssd.workers.ranking import RANK_TOP, AcceptanceByConfidence, Top, confidences, ranked_outcomes
 from ssd.workers.seq_state import make_generator
 
 CANDIDATE_VOCABS = ("draft", "full")
 FEED_AHEAD_LAG = 2  # committed tokens a feed-ahead commit may leave uncached
+LOOKAHEAD_BRANCHES = 2  # speculate's branches per sequence that feed lookahead guesses (rows cost time there)
+LOOKAHEAD_TREE_MIN_N = 2  # ... and only after a suffix match this long (1-token matches: ~19 % right, 2: ~53 %)
+LOOKAHEAD_EXTEND = 2  # a branch may end up to this many times `lookahead` tokens past k_next
 
 
 @dataclass
@@ -49,6 +53,8 @@ class DraftSeq:
     tops: list[Top] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
     context: set[int] = field(default_factory=set)  # prompt and committed tokens (a restricted draft adds them)
+    history: list[int] = field(default_factory=list)  # prompt and committed tokens, for lookahead guesses
+    ngrams: NgramIndex = field(default_factory=NgramIndex)
 
 
 @dataclass
@@ -76,7 +82,7 @@ class DraftWorker(ModelWorker):
 
     def __init__(
         self, *args, saguaro_c: float = 1.0, draft_vocab: int | None = None, ranked: bool = False,
-        context_vocab: bool = True, candidate_vocab: str = "draft", **kwargs,
+        context_vocab: bool = True, candidate_vocab: str = "draft", lookahead: int = 3, **kwargs,
     ) -> None:
         if candidate_vocab not in CANDIDATE_VOCABS:
             raise ValueError(f"candidate_vocab must be one of {', '.join(CANDIDATE_VOCABS)}, got {candidate_vocab!r}")
@@ -99,6 +105,13 @@ class DraftWorker(ModelWorker):
         # also predicts target tokens outside them for one full output-layer row per round (the 0.5B on
         # one core: a one-token glue forward of 17.4 ms instead of 11.4, benchmarks/breakdown.py).
         self._full_candidates = candidate_vocab == "full"
+        # lookahead: greedy drafts also feed up to this many tokens guessed by prompt lookup (NgramIndex) after
+        # the token they feed; each guess equal to the draft's own argmax is a token drafted without a forward
+        # of its own (the same tokens and bits as drafting one by one: the CPU layers are batch invariant)
+        if not (isinstance(lookahead, int) and lookahead >= 0):
+            raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
+        self.lookahead = lookahead
+        self.lookahead_stats = {"forwards": 0, "guessed": 0, "accepted": 0}
         self.last_propose_s = 0.0
         self.last_speculate_s = 0.0
 
@@ -157,6 +170,7 @@ class DraftWorker(ModelWorker):
             st.todo = todo[-1:]
 
     def _see(self, st: DraftSeq, tokens: list[int]) -> None:
+        st.history.extend(tokens)
         if self._context:
             st.context.update(t for t in tokens if t not in self._subset.kept_ids)
 
@@ -172,7 +186,11 @@ class DraftWorker(ModelWorker):
         if self.runner.graphs is not None:  # the captured head gives whole rows: -inf off the kept ids
             return self.runner.forward(slots, tokens, **kw).index_select(-1, self._subset.keep), self._subset.keep
         if self._context:
-            self._subset.set_row_extras([sorted(st.context) for st in states])
+            extras = [sorted(st.context) for st in states]
+            at = kw.get("logits_at")
+            if at is not None:  # one logits row per index
+                extras = [e for e, a in zip(extras, at) for _ in a]
+            self._subset.set_row_extras(extras)
         try:
             return self.runner.forward(slots, tokens, compact=True, **kw), self._subset.columns()
         finally:
@@ -267,22 +285,42 @@ class DraftWorker(ModelWorker):
                 states[b].todo = feeds[b]
         step = 0
         while active:
-            blocks = [feeds[b] if step == 0 else [tokens[b][-1]] for b in active]
-            logits, cols = self._forward([states[b] for b in active], blocks, last_only=True)  # [B, V or C]
-            for b, blk in zip(active, blocks):
+            blocks, guesses = [], []
+            for b in active:
+                blk = feeds[b] if step == 0 else [tokens[b][-1]]
+                g = self._guesses(states[b], tokens[b], ks[b] - len(tokens[b]) - 1)
+                blocks.append(blk + g)
+                guesses.append(g)
+            # Logits after the fed token and after each guess: rows first[i] .. first[i] + len(guesses[i])
+            at = [list(range(len(blk) - len(g) - 1, len(blk))) for blk, g in zip(blocks, guesses)]
+            first = [sum(len(a) for a in at[:i]) for i in range(len(at))]
+            logits, cols = self._forward([states[b] for b in active], blocks, logits_at=at)  # [R, V or C]
+            self.lookahead_stats["forwards"] += 1
+            for b, blk, g in zip(active, blocks, guesses):
                 if step == 0:
-                    states[b].base += len(blk)
+                    states[b].base += len(blk) - len(g)
                 else:
                     states[b].spec_fed.append(blk[0])
             fo = None if fanout is None else [fanout[b][min(step, len(fanout[b]) - 1)] for b in active]
-            new, probs = self._sample(logits, [states[b] for b in active], fo, cols)
-            ranked = [row for row, b in enumerate(active) if self.ranked and states[b].spec.greedy]
-            for row, top in zip(ranked, self._tops(logits[ranked], cols) if ranked else []):
-                states[active[row]].tops.append(top)
+            new, probs = self._sample(logits[first], [states[b] for b in active], fo, cols)
+            best = self._argmaxes(logits, cols) if any(guesses) else []
             for row, b in enumerate(active):
-                tokens[b].append(new[row])
-                if not states[b].spec.greedy:
+                st, g, r0 = states[b], guesses[row], first[row]
+                took = 0  # guesses equal to the draft's own next token: drafted and already cached
+                while took < len(g) and best[r0 + took] == g[took]:
+                    took += 1
+                drafted = [new[row], *best[r0 + 1 : r0 + 1 + took]]
+                if self.ranked and st.spec.greedy:
+                    st.tops.extend(self._tops(logits[r0 : r0 + took + 1], cols))
+                tokens[b].extend(drafted)
+                if not st.spec.greedy:
                     qs[b].append(probs[row])
+                if g:
+                    st.spec_fed.extend(g[:took])
+                    if took < len(g):  # the rejected guesses' keys go
+                        self.runner.truncate(st.slot, st.base + len(st.spec_fed))
+                    self.lookahead_stats["guessed"] += len(g)
+                    self.lookahead_stats["accepted"] += took
             step += 1
             active = [b for b in active if len(tokens[b]) < ks[b]]
         drafts, q_out = [], []
@@ -294,6 +332,38 @@ class DraftWorker(ModelWorker):
             q_out.append(torch.stack(qs[b]) if qs[b] else None)
         self.last_propose_s = time.perf_counter() - t0
         return drafts, q_out
+
+    def _guesses(self, st: DraftSeq, drafted: list[int], room: int) -> list[int]:
+        """Lookahead guesses for a greedy row that may draft `room` more tokens after the next one."""
+        if self.lookahead <= 0 or room <= 0 or not st.spec.greedy:
+            return []
+        return st.ngrams.match(st.history, drafted, min(room, self.lookahead))[0]
+
+    def _branch_guesses(self, st: DraftSeq, r: SpecRequest, branches: list[tuple[int, int]], ys: list[list[int]],
+                        pending: dict[int, int], live: list[int], next_node: int) -> dict[int, list[int]]:
+        """Lookahead guesses for a greedy row's live branches: up to LOOKAHEAD_BRANCHES of them, the most
+        accepted tokens (largest k) first, each at most `lookahead` past k_next and within the cache."""
+        if self.lookahead <= 0 or not st.spec.greedy:
+            return {}
+        # Cache positions left once every live branch's remaining regular nodes (one per step) have theirs
+        room_left = self.runner.max_len - 1 - (st.region_start + next_node + sum(r.k_next - len(ys[j]) for j in live))
+        out: dict[int, list[int]] = {}
+        for j in sorted(live, key=lambda j: -branches[j][0])[:LOOKAHEAD_BRANCHES]:
+            k, t = branches[j]
+            room = min(self.lookahead, r.k_next + LOOKAHEAD_EXTEND * self.lookahead - len(ys[j]) - 1, room_left)
+            if room <= 0:
+                continue
+            g, n = st.ngrams.match(st.history, [*r.tokens[:k], t, *ys[j]], room)  # ys[j][-1] is pending[j]
+            if n >= LOOKAHEAD_TREE_MIN_N:
+                out[j] = g
+                room_left -= len(g)
+        return out
+
+    @staticmethod
+    def _argmaxes(logits: torch.Tensor, cols: torch.Tensor | None) -> list[int]:
+        """Each row's greedy token: logits [R, V] (or [R, C] at token ids cols)."""
+        best = argmax_last(logits.float())  # [R]; ascending cols keep ties on the lowest id
+        return (best if cols is None else cols[best]).tolist()
 
     # -- SSD ---------------------------------------------------------------------------------
     def speculate(self, requests: list[SpecRequest]) -> dict:
@@ -357,51 +427,69 @@ class DraftWorker(ModelWorker):
                 cands.extend((k, t) for t in top[:f])
             branches.append(cands)
 
-        # Branch decoding: node ids in each row's tree region; chain x_1..x_K are nodes 0..K-1.
+        # Branch decoding: node ids in each row's tree region; chain x_1..x_K are nodes 0..K-1. Each step feeds
+        # every branch still short of k_next tokens its pending token (t*, then its last drafted one), greedy
+        # rows' likeliest branches also lookahead guesses after it (each one the draft agrees with is a token
+        # more, so such a branch may end up to `lookahead` tokens beyond k_next: a longer next draft).
         rows = [b for b in range(len(requests)) if branches[b] and requests[b].k_next > 0]
         next_node = {b: len(requests[b].tokens) for b in rows}
-        paths = {b: [[*range(k), -1] for k, _ in branches[b]] for b in rows}  # -1: filled below
+        paths = {b: [[*range(k)] for k, _ in branches[b]] for b in rows}  # each branch's fed nodes
         ys: dict[int, list[list[int]]] = {b: [[] for _ in branches[b]] for b in rows}
         qs: dict[int, list[list[torch.Tensor]]] = {b: [[] for _ in branches[b]] for b in rows}
         tops_y: dict[int, list[list[Top]]] = {b: [[] for _ in branches[b]] for b in rows if ranked[b]}
-        for step in range(max((requests[b].k_next for b in rows), default=0)):
-            active = [b for b in rows if step < requests[b].k_next]
-            toks, pars = [], []
+        step = 0
+        while True:
+            active = [b for b in rows if any(len(y) < requests[b].k_next for y in ys[b])]
+            if not active:
+                break
+            toks, pars, fed = [], [], []  # fed[row]: (branch, its first index in the row, its guesses)
             for b in active:
-                if step == 0:
-                    toks.append([t for _, t in branches[b]])
-                    pars.append([k - 1 for k, _ in branches[b]])
-                else:
-                    toks.append([y[-1] for y in ys[b]])
-                    pars.append([p[-1] for p in paths[b]])
+                r, st = requests[b], states[b]
+                live = [j for j, y in enumerate(ys[b]) if len(y) < r.k_next]
+                pending = {j: (branches[b][j][1] if step == 0 else ys[b][j][-1]) for j in live}
+                guesses = self._branch_guesses(st, r, branches[b], ys[b], pending, live, next_node[b])
+                tb, pb, fb = [], [], []
+                for j in live:
+                    g = guesses.get(j, [])
+                    fb.append((j, len(tb), g))
+                    pb.append(paths[b][j][-1] if paths[b][j] else -1)
+                    pb.extend(next_node[b] + len(tb) + i for i in range(len(g)))  # a chain after the token
+                    tb.extend([pending[j], *g])
+                toks.append(tb)
+                pars.append(pb)
+                fed.append(fb)
             out, cols = self._forward([states[b] for b in active], toks, parents=pars)  # [B, n, V or C]
-            # One batched sampling call over every branch of every row.
-            flat_logits, flat_states, flat_fo = [], [], []
-            for row, b in enumerate(active):
-                nb = len(branches[b])
-                for j in range(nb):
-                    node = next_node[b] + j
-                    if step == 0:
-                        paths[b][j][-1] = node
-                    else:
-                        paths[b][j].append(node)
-                next_node[b] += nb
-                flat_logits.append(out[row, :nb])
-                flat_states.extend([states[b]] * nb)
+            # One batched sampling call over every branch's pending token of every row.
+            firsts = [out[row, i] for row, fb in enumerate(fed) for _, i, _ in fb]
+            flat_states = [states[b] for b, fb in zip(active, fed) for _ in fb]
+            flat_fo = []
+            for b, fb in zip(active, fed):
                 fo = requests[b].next_fanout
-                flat_fo.extend([fo[min(step, len(fo) - 1)] if fo else 0] * nb)
-            all_logits = torch.cat(flat_logits)  # [sum of branches, V or C]
-            new, probs = self._sample(all_logits, flat_states, flat_fo if any(flat_fo) else None, cols)
+                flat_fo.extend([fo[min(step, len(fo) - 1)] if fo else 0] * len(fb))
+            new, probs = self._sample(torch.stack(firsts), flat_states, flat_fo if any(flat_fo) else None, cols)
             i = 0
-            for b in active:
-                nb = len(branches[b])
-                for j, top in enumerate(self._tops(all_logits[i: i + nb], cols) if b in tops_y else []):
-                    tops_y[b][j].append(top)  # the next round's tops, should this branch be the outcome
-                for j in range(nb):
-                    ys[b][j].append(new[i])
+            for row, (b, fb) in enumerate(zip(active, fed)):
+                for j, r0, g in fb:
+                    took = 0
+                    if g:  # greedy: the guesses the draft's own argmax agrees with, in order
+                        best = self._argmaxes(out[row, r0 : r0 + len(g)], cols)
+                        while took < len(g) and best[took] == g[took]:
+                            took += 1
+                        self.lookahead_stats["guessed"] += len(g)
+                        self.lookahead_stats["accepted"] += took
+                        drafted = [new[i], *self._argmaxes(out[row, r0 + 1 : r0 + 1 + took], cols)]
+                    else:
+                        drafted = [new[i]]
+                    paths[b][j].extend(next_node[b] + r0 + d for d in range(took + 1))
+                    ys[b][j].extend(drafted)
+                    if b in tops_y:  # the next round's tops, should this branch be the outcome
+                        tops_y[b][j].extend(self._tops(out[row, r0 : r0 + took + 1], cols))
                     if not states[b].spec.greedy:
                         qs[b][j].append(probs[i])
                     i += 1
+                next_node[b] += len(toks[row])
+            self.lookahead_stats["forwards"] += 1
+            step += 1
         shipped: list[list] = []  # greedy rows' next drafts: [seq_id, k, t*, y], for the coordinator to look up
         for b, r in enumerate(requests):
             entries: dict[tuple[int, int], CacheEntry] = {}
@@ -409,7 +497,7 @@ class DraftWorker(ModelWorker):
                 if b in ys:
                     y = ys[b][j]
                     q = torch.stack(qs[b][j]) if qs[b][j] else None
-                    path = paths[b][j][: k + len(y)]  # x_1..x_k, t*, y_1..y_{K-1} (y_K not fed)
+                    path = paths[b][j]  # x_1..x_k, t*, y_1..y_{m-1} (the last drafted token y_m not fed)
                 else:  # k_next == 0: nothing to draft next round, the hit only saves the sync
                     y, q, path = [], None, [*range(k)]
                 tops = tops_y[b][j] if b in tops_y else None
@@ -467,17 +555,19 @@ class DraftWorker(ModelWorker):
 
     def resolve(
         self,
-        outcomes: list[tuple[int, int, list[int], int]],
+        outcomes: list[tuple],
         neural_backup: bool,
         fanout: list[list[int]] | None = None,
         borrow: bool = False,
     ) -> list[Resolution]:
-        """For each (seq_id, k accepted, emitted tokens, k_next): take the prepared speculation on a
-        hit; on a miss, draft just-in-time if neural_backup (on the target's cores too if `borrow`: the
-        target has verified and waits), else leave it to a fast backup."""
+        """For each (seq_id, k accepted, emitted tokens, k_next[, k_max]): take the prepared speculation on a
+        hit (at least k_next tokens; up to k_max, default k_next, where lookahead drafted more); on a miss,
+        draft just-in-time if neural_backup (on the target's cores too if `borrow`: the target has verified
+        and waits), else leave it to a fast backup."""
         res: list[Resolution] = []
         misses: list[tuple[int, int]] = []
-        for seq_id, k, emitted, k_next in outcomes:
+        for seq_id, k, emitted, k_next, *more in outcomes:
+            k_max = more[0] if more else k_next
             st = self.dseqs[seq_id]
             self._see(st, emitted)
             if st.confidence:
@@ -498,10 +588,10 @@ class DraftWorker(ModelWorker):
                 st.base = start + k + 1
                 st.spec_fed = entry.tokens[: len(entry.path) - k - 1]
                 st.todo = []
-                y = entry.tokens[:k_next]
+                y = entry.tokens[:k_max]
                 if entry.tops:
-                    st.drafted, st.tops = list(y), entry.tops[:k_next]
-                q = entry.q[:k_next] if entry.q is not None and k_next else None
+                    st.drafted, st.tops = list(y), entry.tops[: len(y)]
+                q = entry.q[: len(y)] if entry.q is not None and y else None
                 kind = "none" if st.spec.greedy else "dist"
                 res.append(Resolution(seq_id, True, Draft(seq_id=seq_id, tokens=y, q_kind=kind), q))
                 continue

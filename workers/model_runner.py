@@ -158,8 +158,10 @@ class ModelRunner:
         last_only: bool = False,
         full_vocab: bool = False,
         compact: bool = False,
+        logits_at: list[list[int]] | None = None,
     ) -> torch.Tensor:
-        """Append tokens[b] to slot slots[b]; return logits [B, n, V] float32 (or [B, V] if last_only).
+        """Append tokens[b] to slot slots[b]; return logits [B, n, V] float32 (or [B, V] if last_only; or
+        [sum of len(logits_at[b]), V] for the tokens at indices logits_at[b] of each row, in order).
         full_vocab: the whole vocabulary's logits from a restricted output layer (an eager forward);
         compact: a restricted layer's logits on its columns only, [..., C] (SubsetHead.compact; eager).
 
@@ -172,6 +174,11 @@ class ModelRunner:
         B = len(slots)
         if B == 0 or B != len(tokens):
             raise ValueError("forward needs one token list per slot")
+        if logits_at is not None and (len(logits_at) != B or any(
+                not 0 <= i < len(t) for at, t in zip(logits_at, tokens) for i in at)):
+            raise ValueError("logits_at must give, per row, indices of that row's new tokens")
+        if logits_at is not None and all(at == [len(t) - 1] for at, t in zip(logits_at, tokens)):
+            last_only, logits_at = True, None  # the same rows, on the paths that know last_only
         if (self.one_token is not None and B == 1 and len(tokens[0]) == 1 and (parents is None or parents[0] is None)
                 and slots[0] not in self.regions and self.kv.lengths[slots[0]] < self.max_len):
             hidden = self.one_token.hidden(slots[0], tokens[0][0])  # [1, D]
@@ -213,7 +220,7 @@ class ModelRunner:
         read_len = max(b0 + nb for b0, nb in zip(base, lens))
         # Prompt prefill (last_only, longer) stays eager: one graph per prompt length would not pay.
         if (self.graphs is not None and not (full_vocab or compact) and self.graphs.supports(B, n)
-                and (n <= GRAPH_LAST_ONLY_MAX or not last_only)):
+                and (n <= GRAPH_LAST_ONLY_MAX or not last_only) and logits_at is None):
             mask = self._mask(base, lens, trees_at, n, length_bucket(read_len, self.max_len))
             logits = self.graphs.run(slots, pad_ids, pad_pos, lens, base, mask)  # [B, n, V], shared buffer
             for s, nb in zip(slots, lens):
@@ -253,6 +260,10 @@ class ModelRunner:
         if last_only:
             last = torch.tensor([nb - 1 for nb in lens], device=dev)
             return self.model.logits(hidden[torch.arange(B, device=dev), last], full_vocab, compact)  # [B, V]
+        if logits_at is not None:
+            rows = torch.tensor([b for b, at in enumerate(logits_at) for _ in at], device=dev)
+            cols = torch.tensor([i for at in logits_at for i in at], device=dev)
+            return self.model.logits(hidden[rows, cols], full_vocab, compact)  # [R, V]
         return self.model.logits(hidden, full_vocab, compact)  # [B, n, V]
 
     @staticmethod

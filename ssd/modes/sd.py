@@ -35,7 +35,10 @@ class SDMode(DraftBackedMode):
         except WorkerDied as e:
             self._draft_lost(e)
             return self._ar_round(seqs)
-        self.stats.draft_s += time.perf_counter() - t0
+        t_draft = time.perf_counter() - t0
+        self.stats.draft_s += t_draft
+        if self.tuner is not None and len(seqs) == 1:
+            self.tuner.observe_draft(len(drafts[0].tokens), t_draft)
         outcomes = self._verify(drafts, f_q)
         for o in outcomes:
             self.draft.call("commit", o.seq_id, o.tokens)  # ordered on the draft's queue; no wait

@@ -342,7 +342,7 @@ class SSDMode(DraftBackedMode):
         super()._draft_lost(err)
 
     @staticmethod
-    def _shipped_hits(resolve_in: list[tuple[int, int, list[int], int]], shipped: list | None
+    def _shipped_hits(resolve_in: list[tuple[int, int, list[int], int, int]], shipped: list | None
                       ) -> list[list[int]] | None:
         """The next drafts of a round in which every sequence hit, found in the drafts speculate shipped
         (the hit rule of DraftWorker.resolve); None if any sequence missed or shipped none (sampled)."""
@@ -350,11 +350,11 @@ class SSDMode(DraftBackedMode):
             return None
         table = {(sid, k, t): y for sid, k, t, y in shipped}
         nexts = []
-        for sid, k, emitted, k_next in resolve_in:
+        for sid, k, emitted, k_next, k_max in resolve_in:
             y = table.get((sid, k, emitted[-1]))
             if y is None or len(y) < k_next:
                 return None
-            nexts.append(y[:k_next])
+            nexts.append(y[:k_max])
         return nexts
 
     def _settle_resolve(self) -> None:
@@ -413,8 +413,8 @@ class SSDMode(DraftBackedMode):
         self.cost.speculate.update(info["seconds"])
         resolve_in = []
         for s, o in zip(seqs, outcomes):
-            k_next = max(0, min(self.k, s.remaining - len(o.tokens) - 1))
-            resolve_in.append((s.seq_id, o.num_accepted, o.tokens, k_next))
+            k_max = max(0, s.remaining - len(o.tokens) - 1)  # a lookahead-extended draft may use up to this
+            resolve_in.append((s.seq_id, o.num_accepted, o.tokens, min(self.k, k_max), k_max))
         fo = [self.planner.plan(s.seq_id, "primary") for s in seqs]
         # The target has verified: a neural backup's just-in-time draft may use its cores too.
         resolve_args = (resolve_in, neural, fo, neural and self.draft_borrow)
@@ -442,8 +442,8 @@ class SSDMode(DraftBackedMode):
                                            t_wait, jit_draft=backup)
         hits = 0
         ranked = {sid: f for sid, f in info.get("fanout") or []}  # rows that ranked candidates: counts per k
-        for s, d, src, o, r, req, (_, _, _, k_next) in zip(seqs, drafts, sources, outcomes, resolutions, requests,
-                                                          resolve_in):
+        for s, d, src, o, r, req, (_, _, _, k_next, _) in zip(seqs, drafts, sources, outcomes, resolutions, requests,
+                                                             resolve_in):
             if s.seq_id in ranked:  # the quotas' power law does not describe ranked candidates
                 self.fanout_used[s.seq_id] = ranked[s.seq_id]
                 if self.tuner is not None and self.tuner.ranked is not None:
