@@ -385,8 +385,10 @@ class SSDMode(DraftBackedMode):
         self.round_id += 1
         requests = []
         for s, d, src in zip(seqs, drafts, sources):
-            # With the tuner, K may have changed since d was drafted: plan for d's own length.
-            fanout = self.planner.plan(s.seq_id, src, k=len(d.tokens) if self.tuner is not None else None)
+            # With the tuner, K may have changed since d was drafted, and a lookahead-extended draft is longer
+            # than K: plan for d's own length.
+            own = self.tuner is not None or len(d.tokens) > self.k
+            fanout = self.planner.plan(s.seq_id, src, k=len(d.tokens) if own else None)
             self.fanout_used[s.seq_id] = fanout
             requests.append(
                 SpecRequest(
@@ -414,6 +416,8 @@ class SSDMode(DraftBackedMode):
         resolve_in = []
         for s, o in zip(seqs, outcomes):
             k_max = max(0, s.remaining - len(o.tokens) - 1)  # a lookahead-extended draft may use up to this
+            if self.planner.explicit is not None:  # F_0..F_K as given: no candidates for longer drafts
+                k_max = min(k_max, len(self.planner.explicit) - 1)
             resolve_in.append((s.seq_id, o.num_accepted, o.tokens, min(self.k, k_max), k_max))
         fo = [self.planner.plan(s.seq_id, "primary") for s in seqs]
         # The target has verified: a neural backup's just-in-time draft may use its cores too.
