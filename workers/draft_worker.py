@@ -340,7 +340,7 @@ class DraftWorker(ModelWorker):
         return st.ngrams.match(st.history, drafted, min(room, self.lookahead))[0]
 
     def _branch_guesses(self, st: DraftSeq, r: SpecRequest, branches: list[tuple[int, int]], ys: list[list[int]],
-                        pending: dict[int, int], live: list[int], next_node: int) -> dict[int, list[int]]:
+                        live: list[int], next_node: int) -> dict[int, list[int]]:
         """Lookahead guesses for a greedy row's live branches: up to LOOKAHEAD_BRANCHES of them, the most
         accepted tokens (largest k) first, each at most `lookahead` past k_next and within the cache."""
         if self.lookahead <= 0 or not st.spec.greedy:
@@ -353,7 +353,7 @@ class DraftWorker(ModelWorker):
             room = min(self.lookahead, r.k_next + LOOKAHEAD_EXTEND * self.lookahead - len(ys[j]) - 1, room_left)
             if room <= 0:
                 continue
-            g, n = st.ngrams.match(st.history, [*r.tokens[:k], t, *ys[j]], room)  # ys[j][-1] is pending[j]
+            g, n = st.ngrams.match(st.history, [*r.tokens[:k], t, *ys[j]], room)  # after the branch's pending token
             if n >= LOOKAHEAD_TREE_MIN_N:
                 out[j] = g
                 room_left -= len(g)
@@ -446,15 +446,14 @@ class DraftWorker(ModelWorker):
             for b in active:
                 r, st = requests[b], states[b]
                 live = [j for j, y in enumerate(ys[b]) if len(y) < r.k_next]
-                pending = {j: (branches[b][j][1] if step == 0 else ys[b][j][-1]) for j in live}
-                guesses = self._branch_guesses(st, r, branches[b], ys[b], pending, live, next_node[b])
+                guesses = self._branch_guesses(st, r, branches[b], ys[b], live, next_node[b])
                 tb, pb, fb = [], [], []
                 for j in live:
                     g = guesses.get(j, [])
                     fb.append((j, len(tb), g))
                     pb.append(paths[b][j][-1] if paths[b][j] else -1)
                     pb.extend(next_node[b] + len(tb) + i for i in range(len(g)))  # a chain after the token
-                    tb.extend([pending[j], *g])
+                    tb.extend([ys[b][j][-1] if ys[b][j] else branches[b][j][1], *g])  # pending: last drafted, or t*
                 toks.append(tb)
                 pars.append(pb)
                 fed.append(fb)
@@ -472,12 +471,12 @@ class DraftWorker(ModelWorker):
                 for j, r0, g in fb:
                     took = 0
                     if g:  # greedy: the guesses the draft's own argmax agrees with, in order
-                        best = self._argmaxes(out[row, r0 : r0 + len(g)], cols)
+                        best = self._argmaxes(out[row, r0 : r0 + len(g) + 1], cols)  # best[0] is new[i]
                         while took < len(g) and best[took] == g[took]:
                             took += 1
                         self.lookahead_stats["guessed"] += len(g)
                         self.lookahead_stats["accepted"] += took
-                        drafted = [new[i], *self._argmaxes(out[row, r0 + 1 : r0 + 1 + took], cols)]
+                        drafted = best[: took + 1]
                     else:
                         drafted = [new[i]]
                     paths[b][j].extend(next_node[b] + r0 + d for d in range(took + 1))
