@@ -84,6 +84,8 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                    help="with --draft-vocab, the ids SSD ranks its candidate outcomes over (default: draft)")
     g.add_argument("--draft-lookahead", type=int,
                    help="prompt-lookup guesses a greedy draft checks per forward (default 3; 0: off)")
+    g.add_argument("--no-draft-gate", dest="draft_gate", action="store_false", default=None,
+                   help="greedy drafts always run to K instead of stopping where the draft is unsure")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "bf16", "fp32"), help="weights dtype")
     g.add_argument("--max-batch", type=int, help="max concurrent sequences in the running batch")
     g.add_argument("--max-len", type=int, help="max tokens per sequence (prompt + output)")
@@ -237,6 +239,8 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["cuda_graphs"] = False
     if args.core_loans is False:
         kw["core_loans"] = False
+    if args.draft_gate is False:
+        kw["draft_gate"] = False
     if args.ray is not None:
         kw["use_ray"] = args.ray
     if args.address:

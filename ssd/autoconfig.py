@@ -110,14 +110,45 @@ class KTuner(_RequestAcceptance):
     # with make tokens cheaper than a forward each, by how much depends on the text
     draft_scale: float = 1.0
     ema: float = 0.3
+    # gated: drafts stop by confidence (DraftWorker._worth) within the longest K; `rate` is the measured
+    # tokens per second of recent rounds (decayed; 0 before the first) that prices a draft forward
+    gated: bool = False
+    rate: float = 0.0
 
     def observe_draft(self, k: int, seconds: float) -> None:
         """A k-token draft took `seconds` (the propose call, as the coordinator waited for it)."""
         if k > 0 and self.t_draft1 > 0 and seconds > 0:
             self.draft_scale = (1 - self.ema) * self.draft_scale + self.ema * seconds / (k * self.t_draft1)
 
+    def observe_rate(self, tokens: int, seconds: float) -> None:
+        """A round emitted `tokens` (all sequences) in `seconds`, drafting and verification."""
+        if tokens > 0 and seconds > 0:
+            r = tokens / seconds
+            self.rate = r if self.rate <= 0 else (1 - self.ema) * self.rate + self.ema * r
+
     def choose(self, seq_ids: Sequence[int] = ()) -> int:
+        """K for the batch; gated drafts take the longest choice and stop by themselves."""
+        if self.gated:
+            return max(K_CHOICES)
+        return self._best_plain(seq_ids)
+
+    def _best_plain(self, seq_ids: Sequence[int]) -> int:
         return _choose_sd(self.t_verify, self.t_draft1 * self.draft_scale, self.acceptance_of(seq_ids))
+
+    def stop_below(self, k: int, seq_ids: Sequence[int]) -> float:
+        """The price of one more forward of a gated draft (up to k tokens) in expected accepted tokens of one
+        sequence: its share of the forward (the batch's rows draft together) and its token's verification
+        row, at the recent rate per sequence; before any round the best ungated K's modelled rate. 0 = no gate."""
+        if not self.gated or self.t_draft1 <= 0 or not seq_ids:
+            return 0.0
+        n = len(seq_ids)
+        rate = self.rate
+        if rate <= 0:
+            k0 = self._best_plain(seq_ids)
+            rate = n * expected_tokens(self.acceptance_of(seq_ids), k0) / (k0 * self.t_draft1 + self.t_verify[k0 + 1])
+        # a verification row: the mean slope up to k + 1 rows (start-up times k + 1 = 1 and the Ks')
+        row = max(0.0, interpolate(self.t_verify, k + 1) - interpolate(self.t_verify, 1)) / k
+        return rate / n * (self.t_draft1 / n + row)
 
 
 @dataclass

@@ -62,7 +62,7 @@ def make_mode(
         ac = autoconfigure(target, draft, ssd=cfg.mode != "sd", borrow=borrow, draft_borrow=draft_borrow)
         cfg.k = ac.k
         if cfg.mode == "sd":
-            tuner = KTuner(t_verify=ac.t_verify, t_draft1=ac.t_draft1)
+            tuner = KTuner(t_verify=ac.t_verify, t_draft1=ac.t_draft1, gated=cfg.draft_gate)
         elif cfg.fanout is None:  # K and B both auto: re-chosen every round (a user's fan-out stays)
             ssd_tuner = SSDTuner(t_verify=ac.t_verify, t_chain=ac.t_chain, t_branch=ac.t_draft,
                                  ranked=RankedHits() if ranked_candidates(cfg) else None)
@@ -79,7 +79,7 @@ def make_mode(
     mode = SSDMode(
         target, draft, k, make_fanout_planner(cfg, k), backup=cfg.backup,
         allowed=policy_options(cfg.mode, cfg.backup), vocab_size=vocab_size, ngram_max=cfg.ngram_max,
-        tuner=ssd_tuner, borrow=borrow, draft_borrow=draft_borrow,
+        tuner=ssd_tuner, borrow=borrow, draft_borrow=draft_borrow, gate=cfg.draft_gate and ac is not None,
     )
     if ac is not None:  # the policy starts from this machine's latencies
         spec = spec_time(ac.t_chain, ac.t_draft, ac.k, ac.budget)

@@ -52,6 +52,9 @@ class Config:
     # Greedy drafts also feed up to this many prompt-lookup guesses per forward; each guess the draft agrees
     # with is a draft token without a forward of its own (same tokens as drafting one by one). 0 = off.
     draft_lookahead: int = 3
+    # With K auto-configured, greedy plain drafts (SD, and auto's SD rounds) run up to the longest K and stop
+    # once the draft's confidence says another forward is worth less than its time (DraftWorker._worth).
+    draft_gate: bool = True
     backup: str = "auto"
     max_batch: int = 8
     max_len: int = 2048

@@ -527,7 +527,8 @@ def test_plain_sd_option_prices_and_drafts_its_own_length():
 @pytest.mark.parametrize("fixed_k", [None, 3])
 def test_auto_sd_rounds_draft_the_sd_length_and_stay_exact(models, ar_outputs, monkeypatch, fixed_k):
     """Where K is auto-configured, auto's SD rounds draft best_sd_len's length (SSD rounds keep K); a K
-    the user fixed holds for SD rounds too. Greedy output equals AR either way."""
+    the user fixed holds for SD rounds too. Greedy output equals AR either way. (Ungated: gated SD rounds
+    draft up to SD_K_MAX and stop by confidence, tests/test_draft_gate.py.)"""
     from test_ssd_engine import cycle_policy
     from tiny_models import GREEDY, PROMPTS
 
@@ -537,7 +538,7 @@ def test_auto_sd_rounds_draft_the_sd_length_and_stay_exact(models, ar_outputs, m
     cycle_policy(monkeypatch, ["sd", "sd", "ssd_neural", "sd"])
     monkeypatch.setattr(ssd_mode, "best_sd_len", lambda cost, a, batch, k_max: 7)  # 7: no SSD K choice
     with LLM(target=models[0], draft=models[1], mode="auto", k=fixed_k, dtype="float32", max_batch=1,
-             max_len=160) as llm:
+             max_len=160, draft_gate=False) as llm:
         mode = llm.engine.mode
         lens: list[int] = []
         real = mode.draft.call

@@ -72,8 +72,8 @@ def test_restricted_draft_with_its_context_is_exact(target, monkeypatch):
     proposed: list[int] = []
     propose = DraftWorker._propose
 
-    def spy(self, requests, fanout):
-        drafts, qs = propose(self, requests, fanout)
+    def spy(self, requests, fanout, stop_below=0.0):
+        drafts, qs = propose(self, requests, fanout, stop_below)
         proposed.extend(t for d in drafts for t in d.tokens)
         return drafts, qs
 

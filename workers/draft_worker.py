@@ -52,6 +52,10 @@ class DraftSeq:
     drafted: list[int] = field(default_factory=list)
     tops: list[Top] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
+    # A gated plain draft (propose with stop_below) awaiting its verification: its tokens and confidences,
+    # which calibrate g too once commit() learns how many were accepted
+    proposed: list[int] = field(default_factory=list)
+    proposed_conf: list[float] = field(default_factory=list)
     context: set[int] = field(default_factory=set)  # prompt and committed tokens (a restricted draft adds them)
     history: list[int] = field(default_factory=list)  # prompt and committed tokens, for lookahead guesses
     ngrams: NgramIndex = field(default_factory=NgramIndex)
@@ -112,6 +116,8 @@ class DraftWorker(ModelWorker):
             raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
         self.lookahead = lookahead
         self.lookahead_stats = {"forwards": 0, "guessed": 0, "accepted": 0}
+        self._guess_runs = [0.0, 0.0]  # lookahead guesses agreed with, and runs of guesses cut short (decayed)
+        self.gate_stats = {"drafts": 0, "stopped": 0}  # gated drafts, and those stopped short of their k
         self.last_propose_s = 0.0
         self.last_speculate_s = 0.0
 
@@ -159,6 +165,12 @@ class DraftWorker(ModelWorker):
         st = self.dseqs[seq_id]
         self._close_region(st)
         st.drafted, st.tops = [], []
+        if st.proposed_conf:
+            accepted = 0
+            while accepted < min(len(st.proposed), len(tokens)) and st.proposed[accepted] == tokens[accepted]:
+                accepted += 1
+            self.acceptance.observe(st.proposed_conf, accepted)
+        st.proposed, st.proposed_conf = [], []
         self._see(st, tokens)
         st.todo.extend(tokens)
         st.last = tokens[-1]
@@ -255,19 +267,37 @@ class DraftWorker(ModelWorker):
 
     # -- plain SD ----------------------------------------------------------------------------
     def propose(
-        self, requests: list[tuple[int, int]], fanout: list[list[int]] | None = None, borrow: bool = False
+        self, requests: list[tuple[int, int]], fanout: list[list[int]] | None = None, borrow: bool = False,
+        stop_below: float = 0.0,
     ) -> tuple[list[Draft], list[torch.Tensor | None]]:
         """Draft k tokens for each (seq_id, k). Returns drafts and, for sampled rows, q [k, V].
 
         fanout[b] (optional, SSD) is the next round's F_0..F_K, used for Saguaro sampling. `borrow`: also
         compute on the target's cores (`spare_cores`), which the coordinator asks for only while the
-        target waits for this draft.
+        target waits for this draft. `stop_below` > 0: greedy rows draft at most k tokens and stop early
+        once another forward is worth less than that many expected accepted tokens (`_worth`).
         """
         with self._cores(borrow):
-            return self._propose(requests, fanout)
+            return self._propose(requests, fanout, stop_below)
+
+    def _worth(self, reach: float, c_last: float, guesses: int) -> float:
+        """Expected tokens that a gated greedy row's next forward adds to what the target accepts: they
+        count only if every token drafted before them is accepted (`reach`), and the draft's confidence in
+        its last token predicts the next ones' (runs of sure tokens: code, copied text). The forward drafts
+        one token plus those of its `guesses` lookahead guesses the draft agrees with (each with the
+        conditional rate seen so far); the caller prices a forward in such tokens (`stop_below`)."""
+        g = self.acceptance.rate(c_last)
+        h = (self._guess_runs[0] + 1.0) / (self._guess_runs[0] + self._guess_runs[1] + 2.0)
+        return reach * sum(g ** (i + 1) * h ** i for i in range(guesses + 1))
+
+    @staticmethod
+    def _confidences(logits: torch.Tensor) -> list[float]:
+        """Each row's largest probability: a greedy draft's confidence in the token it drafts. [R, V or C]"""
+        lg = logits.float()
+        return (lg.amax(-1) - torch.logsumexp(lg, -1)).exp().tolist()
 
     def _propose(
-        self, requests: list[tuple[int, int]], fanout: list[list[int]] | None
+        self, requests: list[tuple[int, int]], fanout: list[list[int]] | None, stop_below: float = 0.0
     ) -> tuple[list[Draft], list[torch.Tensor | None]]:
         t0 = time.perf_counter()
         states = [self.dseqs[sid] for sid, _ in requests]
@@ -276,7 +306,11 @@ class DraftWorker(ModelWorker):
         ks = [k for _, k in requests]
         feeds = [self._sync(st) for st in states]
         for st in states:
-            st.drafted, st.tops = [], []
+            st.drafted, st.tops, st.proposed, st.proposed_conf = [], [], [], []
+        gated = [stop_below > 0 and st.spec.greedy for st in states]
+        reach = [1.0] * len(requests)  # P(every token drafted so far is accepted), per gated row
+        c_last = [1.0] * len(requests)  # the draft's confidence in its last token
+        stop = [False] * len(requests)
         tokens: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [b for b in range(len(requests)) if ks[b] > 0]
@@ -286,11 +320,17 @@ class DraftWorker(ModelWorker):
         step = 0
         while active:
             blocks, guesses = [], []
-            for b in active:
+            for b in list(active):
                 blk = feeds[b] if step == 0 else [tokens[b][-1]]
                 g = self._guesses(states[b], tokens[b], ks[b] - len(tokens[b]) - 1)
+                if step > 0 and gated[b] and self._worth(reach[b], c_last[b], len(g)) < stop_below:
+                    stop[b] = True
+                    active.remove(b)
+                    continue
                 blocks.append(blk + g)
                 guesses.append(g)
+            if not active:
+                break
             # Logits after the fed token and after each guess: rows first[i] .. first[i] + len(guesses[i])
             at = [list(range(len(blk) - len(g) - 1, len(blk))) for blk, g in zip(blocks, guesses)]
             first = [sum(len(a) for a in at[:i]) for i in range(len(at))]
@@ -304,6 +344,7 @@ class DraftWorker(ModelWorker):
             fo = None if fanout is None else [fanout[b][min(step, len(fanout[b]) - 1)] for b in active]
             new, probs = self._sample(logits[first], [states[b] for b in active], fo, cols)
             best = self._argmaxes(logits, cols) if any(guesses) else []
+            conf = self._confidences(logits) if any(gated[b] for b in active) else []
             for row, b in enumerate(active):
                 st, g, r0 = states[b], guesses[row], first[row]
                 took = 0  # guesses equal to the draft's own next token: drafted and already cached
@@ -321,6 +362,15 @@ class DraftWorker(ModelWorker):
                         self.runner.truncate(st.slot, st.base + len(st.spec_fed))
                     self.lookahead_stats["guessed"] += len(g)
                     self.lookahead_stats["accepted"] += took
+                if g:
+                    runs = self._guess_runs
+                    runs[0], runs[1] = 0.99 * runs[0] + took, 0.99 * runs[1] + (took < len(g))
+                if gated[b]:
+                    cs = conf[r0 : r0 + took + 1]
+                    st.proposed_conf.extend(cs)
+                    for c in cs:
+                        reach[b] *= self.acceptance.rate(c)
+                    c_last[b] = cs[-1]
             step += 1
             active = [b for b in active if len(tokens[b]) < ks[b]]
         drafts, q_out = [], []
@@ -328,9 +378,13 @@ class DraftWorker(ModelWorker):
             greedy = states[b].spec.greedy
             if states[b].tops:
                 states[b].drafted = list(tokens[b])
+            if gated[b]:
+                states[b].proposed = list(tokens[b])
             drafts.append(Draft(seq_id=sid, tokens=tokens[b], q_kind="none" if greedy else "dist"))
             q_out.append(torch.stack(qs[b]) if qs[b] else None)
         self.last_propose_s = time.perf_counter() - t0
+        self.gate_stats["drafts"] += sum(gated)
+        self.gate_stats["stopped"] += sum(stop)
         return drafts, q_out
 
     def _guesses(self, st: DraftSeq, drafted: list[int], room: int) -> list[int]:
@@ -387,6 +441,7 @@ class DraftWorker(ModelWorker):
         states = [self.dseqs[r.seq_id] for r in requests]
         for st in states:
             self._close_region(st)
+            st.proposed, st.proposed_conf = [], []  # resolve observes this speculation's confidences instead
         ranked = [self.ranked and st.spec.greedy for st in states]
         # Ranked rows rank outcomes before x_K from the tops kept when x_1..x_K were drafted here.
         from_tops = [rk and self._has_tops(st, r) for rk, st, r in zip(ranked, states, requests)]

@@ -28,9 +28,12 @@ class SDMode(DraftBackedMode):
         if self.draft_down is not None and not self._draft_back():
             return self._ar_round(seqs)
         t0 = time.perf_counter()
+        ids = [s.seq_id for s in seqs]
+        stop = 0.0 if self.tuner is None else self.tuner.stop_below(self.k, ids)
         try:
             # q stays a future: over Ray it goes draft -> target without visiting the coordinator.
-            f_drafts, f_q = self.draft.call_split("propose", 2, [(s.seq_id, self.draft_len(s)) for s in seqs])
+            f_drafts, f_q = self.draft.call_split("propose", 2, [(s.seq_id, self.draft_len(s)) for s in seqs],
+                                                  None, False, stop)
             drafts = f_drafts.result()
         except WorkerDied as e:
             self._draft_lost(e)
@@ -46,7 +49,8 @@ class SDMode(DraftBackedMode):
         if self.tuner is not None:
             for s, d, o in zip(seqs, drafts, outcomes):
                 self.tuner.observe(len(d.tokens), o.num_accepted, s.seq_id)
-            self.k = self.tuner.choose([s.seq_id for s in seqs])
+            self.tuner.observe_rate(sum(len(o.tokens) for o in outcomes), time.perf_counter() - t0)
+            self.k = self.tuner.choose(ids)
         return outcomes
 
     def remove(self, seq: Sequence) -> None:

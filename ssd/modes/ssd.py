@@ -57,8 +57,11 @@ class SSDMode(DraftBackedMode):
         tuner: SSDTuner | None = None,
         borrow: bool = False,
         draft_borrow: bool = False,
+        gate: bool = False,
     ) -> None:
         super().__init__(target, draft, k)
+        # SD rounds' greedy drafts run up to SD_K_MAX and stop by the draft's confidence (DraftWorker._worth)
+        self.gate = gate
         # The target may borrow the draft's cores (CPU, mode="auto"): in AR, SD and n-gram rounds the
         # draft has nothing to do, so those verifications run on both, and the draft's commits stay lazy.
         self.borrow = borrow
@@ -85,6 +88,7 @@ class SSDMode(DraftBackedMode):
         self._last_tried: dict[str, int] = {}
         self._ngram_k = k  # this round's n-gram draft length (policy)
         self._sd_k = k  # this round's plain SD draft length (policy; K itself where the user fixed it)
+        self._sd_drafted = 0  # the longest draft of this round's SD drafts (gated drafts stop short of _sd_k)
         self._lookups: dict[int, tuple[list[int], int]] = {}  # this round's lookups: seq_id -> (tokens, match)
         self._match: dict[int, int] = {}  # seq_id -> suffix length the current n-gram draft matched
         self._prepared = 1.0  # share of this round's sequences whose speculation was ready
@@ -190,7 +194,7 @@ class SSDMode(DraftBackedMode):
                 return
         elif self._round_lag and choice not in ("ar", "ngram"):
             return
-        k = self._sd_k if choice == "sd" else self._round_k
+        k = (self._sd_drafted if self.gate else self._sd_k) if choice == "sd" else self._round_k
         predicted = round_seconds(self.cost, choice, len(seqs), k, self._ngram_k, missed=self._missed)
         self.cost.observe_round(choice, predicted, seconds)
 
@@ -245,8 +249,12 @@ class SSDMode(DraftBackedMode):
             t0 = time.perf_counter()
             fo = [self.planner.plan(s.seq_id, "primary") for s in missing]
             k = self._sd_k if choice == "sd" else None
+            stop = 0.0
+            if choice == "sd" and self.gate:
+                k, stop = SD_K_MAX, self._gate_price(len(seqs))
             drafts, qs = self._draft_call("propose", [(s.seq_id, self.draft_len(s, k)) for s in missing], fo,
-                                          self.draft_borrow)
+                                          self.draft_borrow, stop)
+            self._sd_drafted = max(len(d.tokens) for d in drafts)
             dt = time.perf_counter() - t0
             self.stats.draft_s += dt
             if not self._round_lag:  # a backlog fed first is priced apart (choose's `lag`)
@@ -280,6 +288,17 @@ class SSDMode(DraftBackedMode):
         self._shadow_ngram(seqs, drafts, outcomes)
         self._record(seqs, drafts, outcomes, choice)
         return outcomes
+
+    def _gate_price(self, batch: int) -> float:
+        """A gated SD draft's price of one more forward, in expected accepted tokens of one sequence (see
+        KTuner.stop_below): its share of a draft step and its token's verification row, at the rate of the
+        option the policy found cheapest this round."""
+        per_token = min((v for o, v in self.last_scores.items() if o in self.allowed), default=0.0)
+        if per_token <= 0:
+            return 0.0
+        n = batch * (SD_K_MAX + 1)
+        row = max(0.0, self.cost.lent_verify_time(n + batch) - self.cost.lent_verify_time(n)) / batch
+        return (self.cost.draft_step.value / batch + row) / (batch * per_token)
 
     def _speculate_on_ngram(self, drafts: list[Draft]) -> bool:
         """n-gram rounds let the draft speculate on the n-gram drafts (a hit has the next neural draft
