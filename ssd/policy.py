@@ -33,6 +33,7 @@ SWITCH_HORIZON = 4  # rounds a switch into SSD is expected to last: its one-off 
 # its rounds on MT-Bench, where the options are within ~15 % of each other.
 SWITCH_MARGIN = 0.9
 CALIBRATION_RANGE = (0.5, 2.0)  # how far measured round times may move an option's modelled price
+GATE_GAIN_RANGE = (0.5, 3.0)  # one gated SD round's tokens against a fixed-length draft's expectation
 # Verification on the target's and the draft's cores together, as a share of the target's own time:
 # the prior before start-up measures it (2 threads over 1 on the real pair: ~0.55).
 BORROW_PRIOR = 0.6
@@ -150,6 +151,23 @@ class VerifyLine:
 
 
 @dataclass
+class GatedSD:
+    """auto's SD rounds under the draft gate: drafts stop by the draft's confidence, longer where it is sure, and
+    are accepted more than a per-token rate at one fixed length says. Measured per round: the drafted length
+    per sequence, and the emitted tokens as a share of expected_tokens(acceptance, each draft's length)."""
+
+    length: Ema = field(default_factory=lambda: Ema(4.0))
+    gain: Ema = field(default_factory=lambda: Ema(1.0))
+
+    def observe(self, a: float, drafted: list[int], emitted: list[int]) -> None:
+        if not drafted or sum(drafted) == 0:
+            return
+        self.length.update(sum(drafted) / len(drafted))
+        expected = sum(expected_tokens(a, d) for d in drafted)
+        self.gain.update(min(max(sum(emitted) / expected, GATE_GAIN_RANGE[0]), GATE_GAIN_RANGE[1]))
+
+
+@dataclass
 class CostModel:
     """Online estimates, all in seconds."""
 
@@ -193,6 +211,8 @@ class CostModel:
     # share of one on its own (measured at start-up). draft_step is then observed on both cores already;
     # this prices the backlog those drafts feed, which `feed` measures on the draft's own cores.
     draft_lend: float = 1.0
+    # Set where auto's SD rounds draft gated (SSDMode gate): prices SD at their measured length and tokens
+    gated_sd: GatedSD | None = None
 
     def seed(
         self, t_verify: dict[int, float], draft_step: float | None = None, speculate: float | None = None,
@@ -322,7 +342,7 @@ class CostModel:
         return self.verify.observe(n_tokens, seconds)
 
 
-def expected_tokens(a: float, k: int) -> float:
+def expected_tokens(a: float, k: float) -> float:
     """Expected emitted tokens of a round with k drafts at per-token acceptance a: (1 - a^(k+1)) / (1 - a)."""
     a = min(max(a, 0.0), 0.999)
     return (1 - a ** (k + 1)) / (1 - a)
@@ -402,6 +422,11 @@ def choose(
     a, a_fast, p = cost.acceptance.value, cost.fast_acceptance.value, cost.hit_rate(k)
     e_sd = expected_tokens(a, k)
     k_sd = k if k_sd is None else k_sd
+    e_sd_len = expected_tokens(a, k_sd)
+    gated = cost.gated_sd
+    if gated is not None and gated.length.n:  # gated drafts: their measured length and tokens per round
+        e_sd_len = gated.gain.value * expected_tokens(a, gated.length.value)
+        k_sd = max(1, round(gated.length.value))
     e_fast = expected_tokens(a_fast, k)
     t_draft = cost.draft_time(k)
     share_neural = cost.share_primary(k, "neural")
@@ -417,7 +442,6 @@ def choose(
     share_fast = cost.share_primary(k, "fast")
     steady_fast = share_fast * e_sd + (1 - share_fast) * e_fast  # tokens per sequence and round
     first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
-    e_sd_len = expected_tokens(a, k_sd)
     unfed_token = cost.backlog_time(1, lent=True) / batch if unfed else 0.0  # the later feed of one token
 
     def spread(tokens_per_round: float) -> float:  # rounds the backlog is spread over

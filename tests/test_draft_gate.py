@@ -161,6 +161,7 @@ def test_gated_sd_rounds_of_auto_greedy_equal_ar(models, ar_outputs, monkeypatch
         assert llm.engine.mode.gate
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_outputs
         gate = llm.engine.mode.draft.worker.gate_stats
+        assert llm.engine.mode.cost.gated_sd.length.n > 0  # its SD rounds priced by what they drafted
     assert gate["drafts"] > 0 and gate["stopped"] > 0
 
 
@@ -172,3 +173,26 @@ def test_no_draft_gate_flag():
 
     assert "draft_gate" not in kw("--target", "qwen-coder-1.5b", "--draft", "qwen-coder-0.5b")
     assert kw("--target", "qwen-coder-1.5b", "--draft", "qwen-coder-0.5b", "--no-draft-gate")["draft_gate"] is False
+
+
+def test_policy_prices_gated_sd_at_its_measured_length_and_tokens():
+    """auto's gated SD rounds: once measured, SD is priced at the drafts' mean length and at the tokens they
+    emitted against a fixed-length draft's expectation (gated drafts stop before unsure tokens)."""
+    from ssd.policy import CostModel, GatedSD, choose, expected_tokens
+
+    allowed = ("sd", "ar")
+    plain = CostModel()
+    gated = CostModel(gated_sd=GatedSD())
+    assert choose(gated, 1, 4, allowed, k_sd=4)[1]["sd"] == choose(plain, 1, 4, allowed, k_sd=4)[1]["sd"]
+    a = gated.acceptance.value
+    gated.gated_sd.observe(a, [6], [6])  # a 6-token draft, 5 accepted
+    assert gated.gated_sd.length.value == 6
+    assert gated.gated_sd.gain.value == pytest.approx(6 / expected_tokens(a, 6))
+    score = choose(gated, 1, 4, allowed, k_sd=4)[1]["sd"]
+    t_round = gated.draft_time(6) + gated.lent_verify_time(7)
+    assert score == pytest.approx(t_round / 6)
+    gated.gated_sd.observe(a, [0], [1])  # no draft: nothing learnt
+    assert gated.gated_sd.length.n == 1
+    for _ in range(20):  # every gated draft rejected at once: SD priced out
+        gated.gated_sd.observe(a, [2], [1])
+    assert choose(gated, 1, 4, allowed, k_sd=4)[1]["sd"] > score

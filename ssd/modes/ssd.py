@@ -18,7 +18,7 @@ from ssd.autoconfig import SSDTuner
 from ssd.fanout import FanoutPlanner
 from ssd.handles import WorkerDied, WorkerFuture, WorkerHandle
 from ssd.modes.recovery import DraftBackedMode
-from ssd.policy import CostModel, Ema, acceptance_counts, best_draft_len, best_sd_len, choose, round_seconds
+from ssd.policy import CostModel, Ema, GatedSD, acceptance_counts, best_draft_len, best_sd_len, choose, round_seconds
 from ssd.sequence import Sequence
 from ssd.workers.draft_worker import Resolution, SpecRequest
 from ssd.workers.messages import Draft, Outcome
@@ -74,7 +74,7 @@ class SSDMode(DraftBackedMode):
         self.allowed = allowed
         self.vocab_size = vocab_size
         self.ngram_max = ngram_max
-        self.cost = CostModel()
+        self.cost = CostModel(gated_sd=GatedSD() if gate else None)
         if borrow:
             self.cost.enable_borrow()
         # seq_id -> (draft, q, source) of the speculation the target verifies next
@@ -242,6 +242,7 @@ class SSDMode(DraftBackedMode):
                               q_kind="point")
                 self.current[s.seq_id] = (draft, None, "backup")
         missing = [s for s in seqs if s.seq_id not in self.current]
+        gated_round = False
         if missing and choice == "ssd_fast":  # no prepared speculation: the fast backup drafts
             for s in missing:
                 self.current[s.seq_id] = (self._fast_backup(s, [], self.draft_len(s)), None, "backup")
@@ -252,6 +253,7 @@ class SSDMode(DraftBackedMode):
             stop = 0.0
             if choice == "sd" and self.gate:
                 k, stop = SD_K_MAX, self._gate_price(len(seqs))
+                gated_round = len(missing) == len(seqs)  # no prepared (ungated) draft among them
             drafts, qs = self._draft_call("propose", [(s.seq_id, self.draft_len(s, k)) for s in missing], fo,
                                           self.draft_borrow, stop)
             self._sd_drafted = max(len(d.tokens) for d in drafts)
@@ -271,6 +273,9 @@ class SSDMode(DraftBackedMode):
             self.current.clear()
         else:
             outcomes = self._ssd_round(seqs, drafts, q_draft, sources, neural=choice == "ssd_neural")
+        if gated_round and self.cost.gated_sd is not None:  # before the round moves the acceptance
+            self.cost.gated_sd.observe(self.cost.acceptance.value, [len(d.tokens) for d in drafts],
+                                       [len(o.tokens) for o in outcomes])
         for s, d, o, src in zip(seqs, drafts, outcomes, sources):
             self.planner.observe_round(s.seq_id, src, len(d.tokens), o.num_accepted)
             if d.tokens:
