@@ -38,6 +38,8 @@ GATE_GAIN_RANGE = (0.5, 3.0)  # one gated SD round's tokens against a fixed-leng
 # the prior before start-up measures it (2 threads over 1 on the real pair: ~0.55).
 BORROW_PRIOR = 0.6
 OUTLIER_CAP = 1.5  # an observed verification counts for at most this times its line's prediction
+PRICE_STEP = 0.2  # the share of a verification's price error its round corrects at its own token count
+LEVEL_STEP = 0.05  # ... of which at every token count (the intercept)
 
 
 def fit_line(t: dict[int, float]) -> tuple[float, float]:
@@ -116,12 +118,17 @@ def acceptance_counts(drafted: int, accepted: int) -> tuple[int, int]:
 
 @dataclass
 class VerifyLine:
-    """Seconds of a forward scoring n tokens: v0 + v1 * n, plus `bend`, the start-up measurement's
-    residuals from that line at the measured n (interpolated between them). The intercept and slope follow
-    the rounds; the bend keeps the curve's measured shape, which a line misprices: with the AVX-512 tile
-    kernels' pairs from 3 rows the 1.5B's forwards took 35.7 / 35.8 / 43.1 / 72.5 ms at 1 / 2 / 4 / 8 tokens
-    (session 27), and the line through the first point with the least-squares slope priced 2-4 tokens 15-21 %
-    high."""
+    """Seconds of a forward scoring n tokens: v0 + v1 * n, plus `bend`, residuals from that line at the n
+    measured at start-up and seen in rounds (interpolated between them). The bend keeps the curve's shape,
+    which a line misprices: with the AVX-512 tile kernels' pairs from 3 rows the 1.5B's forwards took 35.7 /
+    35.8 / 43.1 / 72.5 ms at 1 / 2 / 4 / 8 tokens (session 27), and the line through the first point with
+    the least-squares slope priced 2-4 tokens 15-21 % high.
+
+    A round's error moves the price at its own n (its bend knot, added where missing) and, by a smaller
+    step, the intercept (every n: the machine's drift). The slope stays as fitted. Moving intercept and
+    slope together diverged on a concave curve (session 38, Zen 4, borrowed cores): 2-token rounds above
+    the line raised the slope, 9-token rounds below it lowered the intercept, until one token was priced
+    at 1 ms against 40 measured and `auto` ran AR in 40 % of its rounds."""
 
     v0: Ema
     v1: Ema
@@ -137,16 +144,17 @@ class VerifyLine:
         return max(self.v0.value + self.v1.value * n_tokens + interpolate(self.bend, n_tokens), 1e-6)
 
     def observe(self, n_tokens: int, seconds: float) -> float:
-        """Half the residual to the intercept; the slope only moves for n > 1 (one-token rounds say nothing
-        about it). An observation counts for at most OUTLIER_CAP times the prediction: a request's first
-        verifications ran 3-4x their line on the real pair and lifted the borrowed decode step's price from
-        32 to 58 ms for good (AR and SD were never tried again to bring it back). Returns the prediction's
-        error relative to `seconds` (before the update)."""
+        """Move the price at n_tokens by PRICE_STEP of its error, LEVEL_STEP of it through the intercept. An
+        observation counts for at most OUTLIER_CAP times the prediction: a request's first verifications ran
+        3-4x their line on the real pair and lifted the borrowed decode step's price from 32 to 58 ms for
+        good (AR and SD were never tried again to bring it back). Returns the prediction's error relative
+        to `seconds` (before the update)."""
         predicted = self.time(n_tokens)
         err = min(seconds, OUTLIER_CAP * predicted) - predicted
-        self.v0.update(self.v0.value + 0.5 * err)
-        if n_tokens > 1:
-            self.v1.update(max(0.0, self.v1.value + 0.5 * err / n_tokens))
+        self.v0.value += LEVEL_STEP * err
+        self.v0.n += 1
+        knot = self.bend.get(n_tokens, interpolate(self.bend, n_tokens))
+        self.bend[n_tokens] = knot + (PRICE_STEP - LEVEL_STEP) * err
         return abs(predicted - seconds) / seconds if seconds > 0 else 0.0
 
 

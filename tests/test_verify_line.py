@@ -32,15 +32,39 @@ def test_the_fitted_curve_prices_every_measured_forward_and_interpolates_between
     assert 1.15 < line.time(4) / KINKED[4] < 1.25
 
 
-def test_rounds_move_the_line_and_keep_the_measured_shape():
+def test_rounds_move_their_own_price_most_and_every_price_a_little():
     v = VerifyLine.fit(KINKED)
-    bend = dict(v.bend)
     assert v.observe(4, 1.3 * KINKED[4]) == pytest.approx(0.3 / 1.3)  # the error of the price before the update
     for _ in range(40):  # the machine turned 30 % slower for 4-token verifications
         v.observe(4, 1.3 * KINKED[4])
     assert v.time(4) == pytest.approx(1.3 * KINKED[4], rel=0.02)
-    assert v.bend == bend
+    # The other measured points followed by the intercept's share only, all by the same amount.
+    shift = v.time(1) - KINKED[1]
+    assert 0 < shift < 0.5 * (v.time(4) - KINKED[4])
+    assert v.time(8) - KINKED[8] == pytest.approx(shift)
     assert v.observe(4, v.time(4)) == 0.0
+
+
+def test_an_unmeasured_token_count_gets_a_price_of_its_own():
+    v = VerifyLine.fit(KINKED)
+    assert v.time(3) == pytest.approx((KINKED[2] + KINKED[4]) / 2)
+    for _ in range(40):
+        v.observe(3, 0.050)
+    assert v.time(3) == pytest.approx(0.050, rel=0.02) and 3 in v.bend
+
+
+def test_a_concave_curve_seen_at_both_ends_converges_instead_of_diverging():
+    """Session 38 (Zen 4, borrowed cores): 2-token verifications above the fitted line, 9-token ones below.
+    Moving intercept and slope together drove the intercept negative and priced one token at 1 ms against
+    40 measured; each price must instead converge to what its rounds measure."""
+    v = VerifyLine.fit({1: 0.029, 3: 0.042, 4: 0.047, 5: 0.050, 6: 0.061, 7: 0.072, 9: 0.083})
+    true = {1: 0.040, 2: 0.055, 5: 0.062, 9: 0.070}
+    for i in range(400):
+        n = (2, 9, 9, 2, 1, 5, 9, 2)[i % 8]
+        v.observe(n, true[n])
+        assert v.time(1) > 0.025
+    for n, t in true.items():
+        assert v.time(n) == pytest.approx(t, rel=0.03)
 
 
 def test_the_bend_decides_sd_against_ar_where_the_line_misprices_the_verification():
