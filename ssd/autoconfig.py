@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ssd.fanout import expected_hit_rate, geometric_fanout, outcome_probs
 from ssd.handles import WorkerHandle
-from ssd.policy import ACCEPTANCE_PRIOR, expected_tokens, interpolate
+from ssd.policy import ACCEPTANCE_PRIOR, expected_tokens, gate_price, interpolate
 
 log = logging.getLogger("ssd")
 
@@ -148,7 +148,7 @@ class KTuner(_RequestAcceptance):
             rate = n * expected_tokens(self.acceptance_of(seq_ids), k0) / (k0 * self.t_draft1 + self.t_verify[k0 + 1])
         # a verification row: the mean slope up to k + 1 rows (start-up times k + 1 = 1 and the Ks')
         row = max(0.0, interpolate(self.t_verify, k + 1) - interpolate(self.t_verify, 1)) / k
-        return rate / n * (self.t_draft1 / n + row)
+        return gate_price(rate, self.t_draft1, row, n)
 
 
 @dataclass

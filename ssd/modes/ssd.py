@@ -18,7 +18,17 @@ from ssd.autoconfig import SSDTuner
 from ssd.fanout import FanoutPlanner
 from ssd.handles import WorkerDied, WorkerFuture, WorkerHandle
 from ssd.modes.recovery import DraftBackedMode
-from ssd.policy import CostModel, Ema, GatedSD, acceptance_counts, best_draft_len, best_sd_len, choose, round_seconds
+from ssd.policy import (
+    CostModel,
+    Ema,
+    GatedSD,
+    acceptance_counts,
+    best_draft_len,
+    best_sd_len,
+    choose,
+    gate_price,
+    round_seconds,
+)
 from ssd.sequence import Sequence
 from ssd.workers.draft_worker import Resolution, SpecRequest
 from ssd.workers.messages import Draft, Outcome
@@ -303,7 +313,7 @@ class SSDMode(DraftBackedMode):
             return 0.0
         n = batch * (SD_K_MAX + 1)
         row = max(0.0, self.cost.lent_verify_time(n + batch) - self.cost.lent_verify_time(n)) / batch
-        return (self.cost.draft_step.value / batch + row) / (batch * per_token)
+        return gate_price(1.0 / per_token, self.cost.draft_step.value, row, batch)
 
     def _speculate_on_ngram(self, drafts: list[Draft]) -> bool:
         """n-gram rounds let the draft speculate on the n-gram drafts (a hit has the next neural draft
