@@ -12,6 +12,7 @@ point: code drafts are accepted ~99 % of the time, prose far less).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,8 @@ class AutoConfig:
     t_draft1: float = 0.0  # one plain draft step (measured for plain SD only)
     t_chain: dict[int, float] = field(default_factory=dict)  # the draft scoring n chain tokens (SSD)
     t_borrowed: dict[int, float] | None = None  # seconds per verification of n tokens on borrowed cores
+    # seconds per verification of n tokens on the target's own cores while the draft computes beside it
+    t_verify_busy: dict[int, float] | None = None
     draft_borrow_share: float | None = None  # a draft forward on the target's cores too / on its own (measured)
 
 
@@ -305,10 +308,21 @@ def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch:
 
 
 def autoconfigure(
-    target: WorkerHandle, draft: WorkerHandle, ssd: bool, borrow: bool = False, draft_borrow: bool = False
+    target: WorkerHandle, draft: WorkerHandle, ssd: bool, borrow: bool = False, draft_borrow: bool = False,
+    busy: bool = False,
 ) -> AutoConfig:
+    """Measure this machine's latencies and pick K (and SSD's fan-out budget) from them. `borrow` /
+    `draft_borrow`: also time the target / draft on the other worker's cores; `busy`: also time the target's
+    verifications while the draft runs forwards beside it (SSD rounds; on CPU both stream their weights
+    through one memory path: `benchmarks/contention.py` on the Zen 5 machine, 1.28x for 1 token, 1.56x for 3)."""
     ns = sorted({k + 1 for k in K_CHOICES})
+    t0 = time.perf_counter()
     t_verify = target.call("time_forwards", [1, *ns]).result()  # n = 1: the policy's AR price
+    t_verify_busy = None
+    if busy:  # the draft's forwards outlast the target's: same call, so the same prefill and repetitions
+        load = draft.call("keep_busy", 1.2 * (time.perf_counter() - t0) + 0.1)
+        t_verify_busy = target.call("time_forwards", [1, *ns]).result()
+        load.result()
     t_borrowed = None
     if borrow:  # the target on the draft's cores too, at the same n: the curve's shape differs from the own one's
         t_borrowed = target.call("time_forwards", [1, *ns], borrow=True).result()
@@ -336,5 +350,8 @@ def autoconfigure(
                  {n: round(t / t_verify[n], 2) for n, t in t_borrowed.items()})
     if draft_share is not None:
         log.info("auto-config: a draft forward on borrowed cores takes %.2fx the draft's own", draft_share)
+    if t_verify_busy is not None:
+        log.info("auto-config: verification beside a busy draft takes %s x the target's own",
+                 {n: round(t / t_verify[n], 2) for n, t in t_verify_busy.items()})
     return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch, t_draft1=t_draft1, t_chain=t_chain,
-                      t_borrowed=t_borrowed, draft_borrow_share=draft_share)
+                      t_borrowed=t_borrowed, draft_borrow_share=draft_share, t_verify_busy=t_verify_busy)

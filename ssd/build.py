@@ -59,7 +59,8 @@ def make_mode(
     ssd_tuner: SSDTuner | None = None
     ac: AutoConfig | None = None
     if cfg.k is None and draft is not None and cfg.mode in ("sd", "ssd", "auto"):
-        ac = autoconfigure(target, draft, ssd=cfg.mode != "sd", borrow=borrow, draft_borrow=draft_borrow)
+        ac = autoconfigure(target, draft, ssd=cfg.mode != "sd", borrow=borrow, draft_borrow=draft_borrow,
+                           busy=borrow)
         cfg.k = ac.k
         if cfg.mode == "sd":
             tuner = KTuner(t_verify=ac.t_verify, t_draft1=ac.t_draft1, gated=cfg.draft_gate)
@@ -84,7 +85,9 @@ def make_mode(
     if ac is not None:  # the policy starts from this machine's latencies
         spec = spec_time(ac.t_chain, ac.t_draft, ac.k, ac.budget)
         draft_lend = ac.draft_borrow_share or 1.0  # just-in-time drafts run on borrowed cores where they can
-        mode.cost.seed(ac.t_verify, draft_step=ac.t_draft[1] * draft_lend, speculate=spec,
+        # Where AR, SD and n-gram verify on borrowed cores, the own line prices SSD rounds only, which verify
+        # while the draft speculates: seeded from forwards timed alone, it priced them low (session 40, Zen 5).
+        mode.cost.seed(ac.t_verify_busy or ac.t_verify, draft_step=ac.t_draft[1] * draft_lend, speculate=spec,
                        feed=feed_time(ac.t_chain))
         mode.cost.draft_lend = draft_lend
         if ac.t_borrowed is not None:

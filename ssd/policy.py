@@ -32,6 +32,10 @@ SWITCH_HORIZON = 4  # rounds a switch into SSD is expected to last: its one-off 
 # speculation is thrown away and coming back pays a catch-up. Without it `auto` switched in a third of
 # its rounds on MT-Bench, where the options are within ~15 % of each other.
 SWITCH_MARGIN = 0.9
+# Leaving SD likewise: its rounds are the best-measured option (steady, every round calibrates them), while
+# an n-gram or SSD round priced a little lower often costs more (its price is rarely measured, and the
+# draft's lookahead guesses are dropped). Priced within this factor, `auto` stays on SD.
+SD_STAY_MARGIN = 0.85
 CALIBRATION_RANGE = (0.5, 2.0)  # how far measured round times may move an option's modelled price
 GATE_GAIN_RANGE = (0.5, 3.0)  # one gated SD round's tokens against a fixed-length draft's expectation
 # Verification on the target's and the draft's cores together, as a share of the target's own time:
@@ -470,6 +474,8 @@ def choose(
         "ngram": t["ngram"] / (batch * expected_tokens(a_ngram, k_ngram)) + unfed_token,
     }
     best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])
+    if current == "sd" and best != "sd" and "sd" in allowed and scores[best] > SD_STAY_MARGIN * scores["sd"]:
+        best = "sd"
     if current in allowed and current.startswith("ssd") and prepared >= 1.0 and not best.startswith("ssd"):
         stay = min((o for o in OPTIONS if o in allowed and o.startswith("ssd")), key=lambda o: scores[o])
         if scores[best] > SWITCH_MARGIN * scores[stay]:

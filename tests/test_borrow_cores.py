@@ -114,6 +114,28 @@ def test_time_forwards_prefills_once_and_goes_round_the_token_counts():
         worker.time_forwards([1], borrow=True)
 
 
+def test_keep_busy_runs_forwards_for_the_time_asked_and_frees_its_slot():
+    import time
+
+    worker = DraftWorker(random_model(vocab=40, layers=1), dtype="float32", max_slots=1, max_len=64)
+    fed: list[int] = []
+    forward = worker.runner.forward
+
+    def spy(slots, tokens, parents=None, **kwargs):
+        fed.append(len(tokens[0]))
+        return forward(slots, tokens, parents, **kwargs)
+
+    worker.runner.forward = spy
+    assert worker.keep_busy(0.0, n=3, context=16) == 1  # at least one forward, whatever the time
+    assert fed == [16, 3] and worker.num_free_slots() == 1
+    fed.clear()
+    t0 = time.perf_counter()
+    done = worker.keep_busy(0.05, n=2, context=8)
+    assert time.perf_counter() - t0 >= 0.05
+    assert done == len(fed) - 1 >= 1 and fed[0] == 8 and set(fed[1:]) == {2}
+    assert worker.num_free_slots() == 1
+
+
 def test_placement_lends_cores_both_ways_only_in_auto():
     cores = [0, 1]
     plan = plan_placement(Config(target="t", draft="d", mode="auto"), cores)
@@ -281,13 +303,21 @@ def test_auto_borrows_in_idle_draft_rounds_and_stays_exact(models, ar_outputs, m
 
 def test_exploration_while_borrowing_stays_with_options_that_need_no_catch_up(models):
     """Borrowed rounds feed the draft nothing, so a re-measurement of SD or SSD from there would pay a
-    catch-up over every token since; from a ready SSD pipeline only SSD options are tried, as before."""
+    catch-up over every token since; SD is re-measured only with at most EXPLORE_SD_LAG tokens to feed.
+    From a ready SSD pipeline only SSD options are tried, as before."""
+    from ssd.modes.ssd import EXPLORE_SD_LAG
+
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=64) as llm:
         mode = llm.engine.mode
         assert all(mode._explorable(o, "ar", 0.0) for o in ("ssd_neural", "ssd_fast", "sd", "ngram"))
         mode.borrow = True
+        mode._round_lag = EXPLORE_SD_LAG + 1
         assert [o for o in ("ssd_neural", "ssd_fast", "sd", "ngram") if mode._explorable(o, "ar", 0.0)] == ["ngram"]
         assert mode._explorable("ar", "ngram", 0.0) and not mode._explorable("sd", "ngram", 0.0)
+        for lag in (0, EXPLORE_SD_LAG):
+            mode._round_lag = lag
+            assert [o for o in ("ssd_neural", "ssd_fast", "sd", "ngram") if mode._explorable(o, "ar", 0.0)] == [
+                "sd", "ngram"]
         for borrow in (True, False):
             mode.borrow = borrow
             assert mode._explorable("ssd_neural", "ssd_fast", 1.0) and not mode._explorable("ar", "ssd_fast", 1.0)
@@ -397,13 +427,22 @@ class TimedHandle:
     def __init__(self, per_token: float, fixed: float) -> None:
         self.per_token, self.fixed, self.borrowed = per_token, fixed, []
 
+    busy_draft: "TimedHandle | None" = None  # a draft whose keep_busy slows this one's forwards 1.5x
+    busy_until_result = False
+
     def call(self, method, ns, context=128, tree=False, reps=3, borrow=False):
         from concurrent.futures import Future
 
+        f: Future = Future()
+        if method == "keep_busy":  # busy until the caller collects the result
+            self.busy_until_result = True
+            f.add_done_callback(lambda _: setattr(self, "busy_until_result", False))
+            f.result = lambda timeout=None: (f.set_result(1), Future.result(f))[1]  # type: ignore[method-assign]
+            return f
         assert method == "time_forwards"
         self.borrowed.append(borrow)
-        f: Future = Future()
-        f.set_result({n: (self.fixed + self.per_token * n) * (0.5 if borrow else 1.0) for n in ns})
+        slow = 1.5 if self.busy_draft is not None and self.busy_draft.busy_until_result else 1.0
+        f.set_result({n: (self.fixed + self.per_token * n) * (0.5 if borrow else slow) for n in ns})
         return f
 
 
@@ -427,6 +466,29 @@ def test_start_up_times_a_ladder_of_fanout_sizes_and_interpolates_the_rest():
     assert len(trees[0]) < len(sizes)
     # Times on a straight line come back exactly at every budget, timed or not.
     assert ac.t_draft == pytest.approx({b: 0.02 + 0.004 * b for b in sizes})
+
+
+def test_auto_with_core_loans_prices_ssd_rounds_beside_a_busy_draft():
+    """Where the target borrows the draft's cores, start-up also times the target's verification while the
+    draft runs forwards (keep_busy), and that seeds the own-cores line, which then prices only SSD rounds.
+    Without loans nothing extra is timed and the line is the target's forwards alone."""
+    from ssd.autoconfig import autoconfigure
+    from ssd.build import make_mode
+
+    def pair():
+        target, draft = TimedHandle(0.03, 0.05), TimedHandle(0.004, 0.02)
+        target.busy_draft = draft
+        return target, draft
+
+    target, draft = pair()
+    ac = autoconfigure(target, draft, ssd=True, busy=True)
+    assert ac.t_verify_busy == pytest.approx({n: 1.5 * t for n, t in ac.t_verify.items()})
+    assert not draft.busy_until_result  # the load was collected
+    assert autoconfigure(*pair(), ssd=True).t_verify_busy is None
+    lent = make_mode(Config(target="t", draft="d", mode="auto"), *pair(), 64, borrow=True, draft_borrow=True)
+    own = make_mode(Config(target="t", draft="d", mode="auto"), *pair(), 64)
+    assert lent.cost.verify_time(4) == pytest.approx(1.5 * own.cost.verify_time(4))
+    assert lent.cost.lent_verify_time(4) == pytest.approx(0.5 * own.cost.verify_time(4))
 
 
 def test_make_mode_seeds_just_in_time_drafts_at_the_borrowed_speed():

@@ -500,6 +500,21 @@ def test_leaving_a_ready_ssd_pipeline_needs_a_clear_margin(ratio, kept):
     assert policy.SWITCH_MARGIN == 0.9
 
 
+@pytest.mark.parametrize("ratio,kept", [(0.9, True), (0.8, False)])
+def test_leaving_sd_needs_a_clear_margin(ratio, kept):
+    """After an SD round, AR priced at 90 % of SD is not taken (SD's rounds are the best-measured option);
+    at 80 % it is. Coming from another option, or with SD not allowed, the cheaper one wins."""
+    c = costs(v0=0.12, v1=0.01, draft_step=0.08, speculate=0.12, a=0.8, p_hit=0.5, a_fast=0.1)  # SD ~ AR
+    allowed = ("sd", "ar")
+    base = choose(c, batch=1, k=3, allowed=allowed)[1]
+    c.calibration["ar"] = policy.RateEma(ratio * base["sd"] / base["ar"])  # AR's price: ratio x SD's
+    assert choose(c, batch=1, k=3, allowed=allowed)[0] == "ar"
+    assert choose(c, batch=1, k=3, allowed=allowed, current="ar")[0] == "ar"
+    assert choose(c, batch=1, k=3, allowed=allowed, current="sd")[0] == ("sd" if kept else "ar")
+    assert choose(c, batch=1, k=3, allowed=("ar",), current="sd")[0] == "ar"
+    assert policy.SD_STAY_MARGIN == 0.85
+
+
 def test_plain_sd_option_prices_and_drafts_its_own_length():
     """With cheap draft steps and a well-accepted draft, SD's best draft is longer than SSD's K; choose()
     prices SD at that length (the minimum of its seconds per token), and the other options at K."""

@@ -239,5 +239,27 @@ class ModelWorker:
         finally:
             self.runner.free(slot)
 
+    def keep_busy(self, seconds: float, n: int = 4, context: int = 128) -> int:
+        """Run n-token forwards after a context for about `seconds`, as SSD's speculation keeps this worker
+        busy while the target verifies; returns how many ran. Start-up uses it to time the target's
+        verification beside a working draft (on CPU the two share the memory path)."""
+        import time
+
+        context = max(1, min(context, self.runner.max_len - n - 1))
+        slot = self.runner.allocate()
+        try:
+            self.runner.forward([slot], [[i % self.config.vocab_size for i in range(context)]], last_only=True)
+            toks = [[(7 * i) % self.config.vocab_size for i in range(n)]]
+            done, end = 0, time.perf_counter() + seconds
+            while done == 0 or time.perf_counter() < end:
+                self.runner.truncate(slot, context)
+                self.runner.forward([slot], toks)
+                done += 1
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)
+            return done
+        finally:
+            self.runner.free(slot)
+
     def num_free_slots(self) -> int:
         return self.runner.kv.num_free

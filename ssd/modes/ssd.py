@@ -45,6 +45,7 @@ class DraftLost(Exception):
 
 EXPLORE_EVERY = 16  # rounds between re-measurements of a runner-up option
 EXPLORE_WITHIN = 1.5  # only options scored within this factor of the best are re-measured
+EXPLORE_SD_LAG = 4  # while borrowing, SD is re-measured only with at most this many tokens to feed the draft
 NGRAM_K_MAX = 8  # longest n-gram draft: a long match is accepted nearly always, and a lookup costs nothing
 SD_K_MAX = 8  # longest plain SD draft when K is auto-configured
 PREFILL_SPLIT_MIN = 32  # shorter prompts prefill in one piece: a second call would cost more than it saves
@@ -186,7 +187,12 @@ class SSDMode(DraftBackedMode):
             return option.startswith("ssd")
         # While the target borrows the draft's cores the draft is fed nothing, so its first SD or SSD round
         # catches up on every token since: a try cost 200-290 ms on the real pair against ~55 ms of AR.
-        # Such switches happen only when the policy itself prices them as cheaper.
+        # Such switches happen only when the policy itself prices them as cheaper, except SD with (almost)
+        # nothing to catch up on: its price rests on the gated rounds' tokens, and after a poor start
+        # (the first rounds of a prose answer) no SD round ran again to correct it (MT-Bench, session 40:
+        # SD priced ~38 ms a token, `auto` 0.8x SD mode).
+        if self.borrow and option == "sd":
+            return self._round_lag <= EXPLORE_SD_LAG
         return not (self.borrow and option not in ("ar", "ngram"))
 
     def _calibrate(self, seqs: list[Sequence], seconds: float) -> None:
