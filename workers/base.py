@@ -254,9 +254,9 @@ class ModelWorker:
             while done == 0 or time.perf_counter() < end:
                 self.runner.truncate(slot, context)
                 self.runner.forward([slot], toks)
+                if self.runner.device.type == "cuda":  # the clock must see the work, not a growing queue
+                    torch.cuda.synchronize(self.runner.device)
                 done += 1
-            if self.runner.device.type == "cuda":
-                torch.cuda.synchronize(self.runner.device)
             return done
         finally:
             self.runner.free(slot)
