@@ -421,27 +421,36 @@ def test_sd_rounds_that_fed_a_backlog_calibrate_without_it():
     assert "ssd_neural" not in m.cost.calibration
 
 
+class _BusyLoad:
+    """keep_busy's future: the draft counts as busy until the caller collects the result."""
+
+    def __init__(self, handle: "TimedHandle") -> None:
+        self.handle = handle
+        handle.busy_until_result = True
+
+    def result(self, timeout=None) -> int:
+        self.handle.busy_until_result = False
+        return 1
+
+
 class TimedHandle:
-    """A worker handle whose time_forwards answers from a formula (seconds), halved on borrowed cores."""
+    """A worker handle whose time_forwards answers from a formula (seconds), halved on borrowed cores and
+    1.5x while `busy_draft` runs keep_busy."""
 
     def __init__(self, per_token: float, fixed: float) -> None:
         self.per_token, self.fixed, self.borrowed = per_token, fixed, []
-
-    busy_draft: "TimedHandle | None" = None  # a draft whose keep_busy slows this one's forwards 1.5x
-    busy_until_result = False
+        self.busy_draft: TimedHandle | None = None
+        self.busy_until_result = False
 
     def call(self, method, ns, context=128, tree=False, reps=3, borrow=False):
         from concurrent.futures import Future
 
-        f: Future = Future()
-        if method == "keep_busy":  # busy until the caller collects the result
-            self.busy_until_result = True
-            f.add_done_callback(lambda _: setattr(self, "busy_until_result", False))
-            f.result = lambda timeout=None: (f.set_result(1), Future.result(f))[1]  # type: ignore[method-assign]
-            return f
+        if method == "keep_busy":
+            return _BusyLoad(self)
         assert method == "time_forwards"
         self.borrowed.append(borrow)
         slow = 1.5 if self.busy_draft is not None and self.busy_draft.busy_until_result else 1.0
+        f: Future = Future()
         f.set_result({n: (self.fixed + self.per_token * n) * (0.5 if borrow else slow) for n in ns})
         return f
 

@@ -220,24 +220,17 @@ class ModelWorker:
 
         if not ns or min(ns) < 1:
             raise ValueError(f"time_forwards needs token counts >= 1, got {ns}")
-        context = max(1, min(context, self.runner.max_len - max(ns) - 1))
-        slot = self.runner.allocate()
-        try:
-            ctx = [i % self.config.vocab_size for i in range(context)]
-            self.runner.forward([slot], [ctx], last_only=True)
+        with self._probe_slot(context, max(ns)) as (slot, context):
             times: dict[int, list[float]] = {n: [] for n in ns}
             for _ in range(reps + 1):  # the first round warms up and is dropped
                 for n in ns:
                     self.runner.truncate(slot, context)
-                    toks = [[(7 * i) % self.config.vocab_size for i in range(n)]]
+                    toks = self._probe_tokens(n)
                     t0 = time.perf_counter()
                     self.runner.forward([slot], toks, parents=[[-1] * n] if tree else None)
-                    if self.runner.device.type == "cuda":
-                        torch.cuda.synchronize(self.runner.device)
+                    self._wait_device()
                     times[n].append(time.perf_counter() - t0)
             return {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
-        finally:
-            self.runner.free(slot)
 
     def keep_busy(self, seconds: float, n: int = 4, context: int = 128) -> int:
         """Run n-token forwards after a context for about `seconds`, as SSD's speculation keeps this worker
@@ -245,21 +238,34 @@ class ModelWorker:
         verification beside a working draft (on CPU the two share the memory path)."""
         import time
 
-        context = max(1, min(context, self.runner.max_len - n - 1))
-        slot = self.runner.allocate()
-        try:
-            self.runner.forward([slot], [[i % self.config.vocab_size for i in range(context)]], last_only=True)
-            toks = [[(7 * i) % self.config.vocab_size for i in range(n)]]
+        with self._probe_slot(context, n) as (slot, context):
+            toks = self._probe_tokens(n)
             done, end = 0, time.perf_counter() + seconds
             while done == 0 or time.perf_counter() < end:
                 self.runner.truncate(slot, context)
                 self.runner.forward([slot], toks)
-                if self.runner.device.type == "cuda":  # the clock must see the work, not a growing queue
-                    torch.cuda.synchronize(self.runner.device)
+                self._wait_device()  # the clock must see the work, not a growing CUDA queue
                 done += 1
             return done
+
+    @contextlib.contextmanager
+    def _probe_slot(self, context: int, longest: int) -> Iterator[tuple[int, int]]:
+        """A slot prefilled with a synthetic context (shortened to leave room for `longest` more tokens),
+        freed afterwards: (slot, context length)."""
+        context = max(1, min(context, self.runner.max_len - longest - 1))
+        slot = self.runner.allocate()
+        try:
+            self.runner.forward([slot], [[i % self.config.vocab_size for i in range(context)]], last_only=True)
+            yield slot, context
         finally:
             self.runner.free(slot)
+
+    def _probe_tokens(self, n: int) -> list[list[int]]:
+        return [[(7 * i) % self.config.vocab_size for i in range(n)]]
+
+    def _wait_device(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
 
     def num_free_slots(self) -> int:
         return self.runner.kv.num_free
