@@ -323,6 +323,39 @@ def test_exploration_while_borrowing_stays_with_options_that_need_no_catch_up(mo
             assert mode._explorable("ssd_neural", "ssd_fast", 1.0) and not mode._explorable("ar", "ssd_fast", 1.0)
 
 
+def test_stale_sd_is_re_measured_when_it_can_be_tried(models):
+    """SD not run for EXPLORE_EVERY rounds is tried as soon as it can be without a catch-up (a request's
+    first rounds while borrowing), if it scores within EXPLORE_WITHIN of the choice; the periodic
+    re-measurement then restarts its count."""
+    from ssd.modes.ssd import EXPLORE_EVERY, EXPLORE_SD_LAG, EXPLORE_WITHIN
+
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=64) as llm:
+        mode = llm.engine.mode
+        mode.borrow = True
+        mode.stats.rounds = 100
+        mode._last_tried = {"sd": 100 - EXPLORE_EVERY, "ar": 99}
+        mode.last_scores = {"ar": 0.030, "ngram": 0.032, "sd": 0.030 * EXPLORE_WITHIN * 0.99,
+                            "ssd_neural": 0.05, "ssd_fast": 0.05}
+        mode._round_lag = EXPLORE_SD_LAG
+        assert mode._sd_stale("ar", 0.0)
+        assert not mode._sd_stale("sd", 0.0)
+        assert not mode._sd_stale("ssd_fast", 1.0)  # a ready SSD pipeline keeps to SSD options
+        mode._round_lag = EXPLORE_SD_LAG + 1  # a catch-up to pay first: not now
+        assert not mode._sd_stale("ar", 0.0)
+        mode._round_lag = 0
+        mode._last_tried["sd"] = 100 - EXPLORE_EVERY + 1  # tried recently
+        assert not mode._sd_stale("ar", 0.0)
+        mode._last_tried["sd"] = 100 - EXPLORE_EVERY
+        mode.last_scores["sd"] = 0.030 * EXPLORE_WITHIN * 1.01  # far from the best
+        assert not mode._sd_stale("ar", 0.0)
+        mode.last_scores["sd"] = 0.040
+        mode.borrow = False  # own cores: no backlog, SD can be tried at any lag
+        mode._round_lag = 50
+        assert mode._sd_stale("ar", 0.0)
+        mode.allowed = tuple(o for o in mode.allowed if o != "sd")
+        assert not mode._sd_stale("ar", 0.0)
+
+
 def test_policy_prices_the_draft_backlog_of_borrowed_rounds():
     """Tokens the draft has not been fed (lazy commits while the target borrows its core) are a one-off
     cost of the next SD or SSD round, spread over the switch horizon; AR and n-gram do not pay it."""
