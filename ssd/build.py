@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
+
+import torch
 
 from ssd.autoconfig import K_CHOICES, AutoConfig, KTuner, RankedHits, SSDTuner, autoconfigure, feed_time, spec_time
 from ssd.config import Config
@@ -113,6 +116,20 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
         rtarget, rdraft, rinfo, rtok = place_workers(cfg, target_kwargs=common, draft_kwargs=draft_kwargs)
         return _assemble(cfg, rtarget, rdraft, rinfo, rtok, [h for h in (rtarget, rdraft) if h is not None])
 
+    # Each worker's constructor pins the thread that builds it (this one) to its cores; its calls run on its
+    # LocalHandle's thread (ModelWorker.own_threads), and this thread gets its own cores back.
+    caller_cores, caller_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        target, draft, info, tokenizer, handles = _local_workers(cfg)
+    finally:
+        os.sched_setaffinity(0, caller_cores)
+        torch.set_num_threads(caller_threads)
+    return _assemble(cfg, target, draft, info, tokenizer, handles)
+
+
+def _local_workers(cfg: Config) -> tuple[WorkerHandle, WorkerHandle | None, dict, Any, list[WorkerHandle]]:
+    """The workers in this process, each behind a LocalHandle: (target, draft or None, target info, tokenizer,
+    handles)."""
     from ssd.workers.draft_worker import DraftWorker
     from ssd.workers.target_worker import TargetWorker
 
@@ -142,7 +159,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
             )
         draft = LocalHandle(draft_w, "draft")
         handles.append(draft)
-    return _assemble(cfg, target, draft, info, target_w.tokenizer, handles)
+    return target, draft, info, target_w.tokenizer, handles
 
 
 def _assemble(

@@ -62,6 +62,9 @@ class LocalHandle:
     def _run(self, fn: Any, args: tuple, kwargs: dict) -> Any:
         # Arguments that are futures of the other worker resolve first: never wait for one holding the turn.
         args, kwargs = tuple(map(_resolve, args)), {k: _resolve(v) for k, v in kwargs.items()}
+        own = getattr(self.worker, "own_threads", None)  # CPU workers: this thread on the worker's cores
+        if own is not None:
+            own()
         if self._turn is None:
             return fn(*args, **kwargs)
         with self._turn:

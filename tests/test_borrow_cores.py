@@ -81,6 +81,23 @@ def test_borrowed_verification_runs_on_both_cores_with_the_same_bits(restore_cpu
     assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == set(CORES[:1])
 
 
+@two_cores
+def test_in_process_workers_compute_on_their_own_cores(models, ar_outputs, restore_cpu_state):
+    """In one process each worker's calls run on its LocalHandle's thread, pinned to that worker's cores per
+    call; building the workers leaves the caller's cores and thread count as they were. (Before: both
+    threads kept the affinity of the thread that built the draft last, so the target ran on the draft's core.)"""
+    before = os.sched_getaffinity(0), torch.get_num_threads()
+    with LLM(target=models[0], draft=models[1], mode="ssd", k=3, dtype="float32", max_batch=4, max_len=128,
+             use_ray=False, target_cores=CORES[:1], draft_cores=CORES[1:2]) as llm:
+        assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
+        mode = llm.engine.mode
+        seen_target, seen_draft = watch_threads(mode.target.worker), watch_threads(mode.draft.worker)
+        outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_outputs
+    assert seen_target and {(n, frozenset(c)) for n, c in seen_target} == {(1, frozenset(CORES[:1]))}
+    assert seen_draft and {(n, frozenset(c)) for n, c in seen_draft} == {(1, frozenset(CORES[1:2]))}
+
+
 def test_borrowing_without_spare_cores_is_an_error():
     worker = TargetWorker(random_model(vocab=40, layers=1), dtype="float32", max_slots=1, max_len=32)
     worker.add(0, [1, 2, 3], SamplingSpec(temperature=0))

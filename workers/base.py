@@ -115,6 +115,8 @@ class ModelWorker:
         spare_cores: list[int] | None = None,
     ) -> None:
         set_threads(num_threads, cpu_cores)
+        self.cpu_cores = list(cpu_cores) if cpu_cores else None
+        self.num_threads = num_threads or (len(cpu_cores) if cpu_cores else None)
         # spare_cores: another worker's cores this one may borrow while that worker is idle (CPU only).
         self.loan = CoreLoan(cpu_cores or [], spare_cores) if spare_cores else None
         if self.loan is not None and device != "cpu":
@@ -151,6 +153,17 @@ class ModelWorker:
 
     def ping(self) -> bool:
         return True
+
+    def own_threads(self) -> None:
+        """Pin the calling thread to this worker's cores and size torch's pool for it. The constructor pinned
+        the thread that built the worker; in one process (LocalHandle) the worker's calls run on a thread of
+        their own, which otherwise kept the affinity of its creator: after building target then draft, both
+        workers' threads ran on the draft's cores (session 41: `auto` in-process 56 tok/s against 70 over Ray).
+        torch's thread count is per process, so it is set for each call of a worker whose count differs."""
+        if self.cpu_cores and os.sched_getaffinity(0) != set(self.cpu_cores):
+            os.sched_setaffinity(0, set(self.cpu_cores))
+        if self.num_threads and torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
 
     def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec) -> None:
         """Prefill all but the last prompt token; the last one is the first pending token."""
