@@ -27,12 +27,14 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def set_threads(num_threads: int | None, cpu_cores: list[int] | None) -> None:
-    """Give this process its own cores: pin it (Linux) and size torch's intra-op pool to match."""
+    """Give the calling thread its own cores: pin it (Linux) and size torch's intra-op pool to match (each
+    only where it differs: in one process a worker calls this before every call, see own_threads)."""
     if cpu_cores:
-        os.sched_setaffinity(0, set(cpu_cores))
+        if os.sched_getaffinity(0) != set(cpu_cores):
+            os.sched_setaffinity(0, set(cpu_cores))
         if num_threads is None:
             num_threads = len(cpu_cores)
-    if num_threads:
+    if num_threads and torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
 
 
@@ -115,8 +117,7 @@ class ModelWorker:
         spare_cores: list[int] | None = None,
     ) -> None:
         set_threads(num_threads, cpu_cores)
-        self.cpu_cores = list(cpu_cores) if cpu_cores else None
-        self.num_threads = num_threads or (len(cpu_cores) if cpu_cores else None)
+        self._threads = (num_threads, list(cpu_cores) if cpu_cores else None)  # own_threads repeats it per call
         # spare_cores: another worker's cores this one may borrow while that worker is idle (CPU only).
         self.loan = CoreLoan(cpu_cores or [], spare_cores) if spare_cores else None
         if self.loan is not None and device != "cpu":
@@ -155,15 +156,12 @@ class ModelWorker:
         return True
 
     def own_threads(self) -> None:
-        """Pin the calling thread to this worker's cores and size torch's pool for it. The constructor pinned
-        the thread that built the worker; in one process (LocalHandle) the worker's calls run on a thread of
+        """Pin the calling thread to this worker's cores and size torch's pool for it, as the constructor did
+        for the thread that built the worker. In one process (LocalHandle) the worker's calls run on a thread of
         their own, which otherwise kept the affinity of its creator: after building target then draft, both
-        workers' threads ran on the draft's cores (session 41: `auto` in-process 56 tok/s against 70 over Ray).
-        torch's thread count is per process, so it is set for each call of a worker whose count differs."""
-        if self.cpu_cores and os.sched_getaffinity(0) != set(self.cpu_cores):
-            os.sched_setaffinity(0, set(self.cpu_cores))
-        if self.num_threads and torch.get_num_threads() != self.num_threads:
-            torch.set_num_threads(self.num_threads)
+        workers computed on the draft's cores (session 41: SSD at placement a ran target and draft on one core).
+        torch's thread count is per process, so it is set again for each call of a worker whose count differs."""
+        set_threads(*self._threads)
 
     def add(self, seq_id: int, prompt_ids: list[int], spec: SamplingSpec) -> None:
         """Prefill all but the last prompt token; the last one is the first pending token."""
