@@ -1,4 +1,6 @@
-"""The same mode with its workers in this process (`use_ray=False`) and as Ray actors, side by side.
+"""The same mode with its workers in this process (`use_ray=False`) and as Ray actors, side by side; over Ray
+with the per-round calls on the actors' Unix-socket channel (`ray`, the default) and on Ray's own calls
+(`ray-calls`, `ray_channel=False`).
 
     python benchmarks/layouts.py --mode sd --quantization w4a8 --draft-vocab 32768 --out results/layouts.json
 
@@ -7,7 +9,7 @@ and the draft on both for sd / ar, target on the first and draft on the second f
 then lends cores; in one process it does not). The layouts alternate `--rounds` times, each a fresh engine that
 runs a warm-up request and then `--passes` passes over the prompts; the last pass counts. Per layout: decode
 tok/s, and per round the coordinator's seconds waiting on the draft (drafts) and on the target (verifications),
-which include each call's trip through Ray where it goes through Ray. Outputs must be equal across layouts
+which include each call's trip between processes where there is one. Outputs must be equal across layouts
 (greedy, bit-exact kernels). Prints a table and writes JSON.
 """
 
@@ -41,10 +43,14 @@ def summarize(runs: dict[str, list[dict]]) -> tuple[dict[str, dict[str, float]],
     return {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}, same
 
 
-def run(args: argparse.Namespace, use_ray: bool) -> dict:
+LAYOUTS = {"in-process": {"use_ray": False}, "ray": {"use_ray": True, "ray_channel": True},
+           "ray-calls": {"use_ray": True, "ray_channel": False}}
+
+
+def run(args: argparse.Namespace, layout: str) -> dict:
     draft = None if args.mode == "ar" else args.draft
     llm = LLM(target=args.target, draft=draft, mode=args.mode, dtype="bfloat16", quantization=args.quantization,
-              draft_vocab=args.draft_vocab, max_len=2048, use_ray=use_ray,
+              draft_vocab=args.draft_vocab, max_len=2048, **LAYOUTS[layout],
               **placement(args.mode, sorted(os.sched_getaffinity(0))))
     try:
         prompts = humaneval_raw(6, 10)
@@ -79,14 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--layouts", type=lambda v: v.split(","), default=list(LAYOUTS),
+                    help=f"comma-separated, of {', '.join(LAYOUTS)}")
     ap.add_argument("--out", default="results/layouts.json")
     args = ap.parse_args(argv)
+    if not args.layouts or any(n not in LAYOUTS for n in args.layouts):
+        ap.error(f"--layouts takes names from {', '.join(LAYOUTS)}")
     if args.passes < 1 or args.rounds < 1:
         ap.error("--passes and --rounds must be at least 1")
-    runs: dict[str, list[dict]] = {"in-process": [], "ray": []}
+    runs: dict[str, list[dict]] = {name: [] for name in args.layouts}
     for _ in range(args.rounds):
         for name in runs:
-            r = run(args, use_ray=name == "ray")
+            r = run(args, name)
             runs[name].append(r)
             print(f"  {name:10s} {r['decode_tokens_per_s']:6.2f} decode tok/s, {r['rounds']} rounds, per round "
                   f"drafts {r['draft_ms_per_round']} ms, verifications {r['verify_ms_per_round']} ms", flush=True)

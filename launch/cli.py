@@ -96,6 +96,8 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--address", help="join an existing Ray cluster at this address")
     g.add_argument("--ray", action=argparse.BooleanOptionalAction, default=None,
                    help="run the workers as Ray actors (default: the engine's choice for the mode)")
+    g.add_argument("--ray-channel", action=argparse.BooleanOptionalAction, default=None,
+                   help="per-round calls to actors on this node over a Unix socket (default) or Ray's calls")
     g.add_argument("--quantization", choices=("int8", "int4", "w4a8", "w8a8"),
                    help="int8/int4: weight-only linears; w4a8/w8a8: + int8 activations (AVX2 kernel, fastest on CPU)")
     g.add_argument("--draft-quantization", choices=("same", "none", "int8", "int4", "w4a8", "w8a8"),
@@ -243,6 +245,8 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["draft_gate"] = False
     if args.ray is not None:
         kw["use_ray"] = args.ray
+    if args.ray_channel is not None:
+        kw["ray_channel"] = args.ray_channel
     if args.address:
         kw["ray_address"] = args.address
     if extra:

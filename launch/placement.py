@@ -262,7 +262,7 @@ def place_workers(
     try:
         if len(plan.targets) == 1:
             spawn_t = spawn_fn(TargetWorker, plan.target, cfg.target, target_kwargs)
-            target = RayHandle(spawn_t(), "target", spawn_t, placement_group=pg)
+            target = RayHandle(spawn_t(), "target", spawn_t, placement_group=pg, channel=cfg.ray_channel)
         else:  # tensor-parallel ranks (launch/tp.py)
             from ssd.launch.tp import RayTPTargetWorker, start_tp_target
 
@@ -277,7 +277,7 @@ def place_workers(
         draft = None
         if plan.draft is not None:
             spawn_d = spawn_fn(DraftWorker, plan.draft, cfg.draft, draft_kwargs)
-            draft = RayHandle(spawn_d(), "draft", spawn_d)
+            draft = RayHandle(spawn_d(), "draft", spawn_d, channel=cfg.ray_channel)
             handles.append(draft)
         infos = [f.result() for f in [h.call("info") for h in handles]]
         info = infos[0]

@@ -33,7 +33,8 @@ def test_summary_takes_medians_per_layout_and_checks_the_outputs():
     assert summarize(runs)[1] is False
 
 
-@pytest.mark.parametrize("bad", [["--passes", "0"], ["--rounds", "0"]])
+@pytest.mark.parametrize("bad", [["--passes", "0"], ["--rounds", "0"], ["--layouts", "ray,grpc"]])
 def test_passes_and_rounds_must_be_positive(bad):
     with pytest.raises(SystemExit):
         main(bad)
+

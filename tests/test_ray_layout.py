@@ -170,9 +170,15 @@ class TestLocalRay:
         target, draft = models
         with LLM(target=target, mode="ar", use_ray=True, **COMMON) as llm:
             assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
-        with LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True, **COMMON) as llm:
+        with LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True, ray_channel=False, **COMMON) as llm:
+            assert not any(h.via_channel for h in llm._handles)
             assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
             # seeded sampling: the q tensors cross the object store bit-exactly
+            assert [o.token_ids for o in llm.generate(PROMPTS, SAMPLED)] == local_outputs["sd_sampled"]
+        with LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True, **COMMON) as llm:
+            assert all(h.via_channel for h in llm._handles)  # the default on one node
+            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
+            # seeded sampling: the q tensors cross the channel bit-exactly
             assert [o.token_ids for o in llm.generate(PROMPTS, SAMPLED)] == local_outputs["sd_sampled"]
             assert llm.stats()["policy"] == {"sd": llm.stats()["rounds"]}
             infos = [h.call("info").result() for h in llm._handles]
@@ -200,14 +206,17 @@ class TestLocalRay:
                 return x
 
         register_serializers()
-        handle = RayHandle(actor_class(Echo).remote(), "echo")
-        try:
-            msgs = [Draft(seq_id=1, tokens=[5, 6], q_kind="dist"), Outcome(seq_id=1, num_accepted=1, tokens=[5, 9])]
-            assert handle.call("echo", msgs).result(timeout=60) == msgs
-            with pytest.raises(TypeError, match="msgpack wire"):  # a pickle would have carried it
-                handle.call("echo", Draft(seq_id=2, tokens=[np.int64(3)])).result(timeout=60)
-        finally:
-            handle.shutdown()
+        for channel in (False, True):
+            handle = RayHandle(actor_class(Echo).remote(), "echo", channel=channel)
+            try:
+                assert handle.via_channel == channel
+                msgs = [Draft(seq_id=1, tokens=[5, 6], q_kind="dist"),
+                        Outcome(seq_id=1, num_accepted=1, tokens=[5, 9])]
+                assert handle.call("echo", msgs).result(timeout=60) == msgs
+                with pytest.raises(TypeError, match="msgpack wire"):  # a pickle would have carried it
+                    handle.call("echo", Draft(seq_id=2, tokens=[np.int64(3)])).result(timeout=60)
+            finally:
+                handle.shutdown()
 
     def test_handle_errors_and_restart(self, models):
         from ssd.launch.placement import place_workers
@@ -216,7 +225,7 @@ class TestLocalRay:
         target, draft, info, tok = place_workers(cfg)
         try:
             assert draft is None and tok is None and info["vocab_size"] == 40
-            assert target.alive()
+            assert target.alive() and target.via_channel
             with pytest.raises(ValueError, match="empty prompt"):  # worker exceptions keep their type
                 target.call("add", 0, [], None).result()
             ray.kill(target.actor)
@@ -228,6 +237,7 @@ class TestLocalRay:
             assert not target.alive(timeout=2)
             target.restart()
             assert target.alive() and target.call("num_free_slots").result() == 2
+            assert target.via_channel  # the fresh actor serves a fresh channel
         finally:
             target.shutdown()
 
@@ -285,6 +295,8 @@ def test_draft_on_second_node(models, local_outputs):
                  extra={"draft_resource": {"draft_node": 1}}, **COMMON) as llm:
             assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
             t_info, d_info = (h.call("info").result() for h in llm._handles)
+            # the channel is a Unix socket: only the target on the driver's node uses it
+            assert [h.via_channel for h in llm._handles] == [True, False]
         assert t_info["node_id"] != d_info["node_id"]
         draft_nodes = [n["NodeID"] for n in ray.nodes() if n["Resources"].get("draft_node")]
         assert d_info["node_id"] in draft_nodes
