@@ -20,6 +20,7 @@ worker code itself propagate as themselves (Ray's RayTaskError subclasses the or
 from __future__ import annotations
 
 import io
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from ray import exceptions as rex
 from ssd.handles import WorkerDied
 from ssd.launch.channel import ChannelClient, ChannelFuture, ChannelServer
 from ssd.workers.messages import WIRE_TYPES
+
+log = logging.getLogger("ssd")
 
 # actor id (hex) -> worker name, so an error raised by a dependency blames the right worker
 _ACTOR_NAMES: dict[str, str] = {}
@@ -214,7 +217,11 @@ class RayHandle:
             except _DEATH:  # Ray's calls then fail with WorkerDied where their results are read
                 return None
             if path is not None:
-                self._channel = ChannelClient(path, self.name)
+                try:
+                    self._channel = ChannelClient(path, self.name)
+                except OSError as e:  # e.g. the actor sees another /tmp: Ray's calls, same results
+                    log.warning("%s: cannot connect to the actor's channel at %s (%s); using Ray's calls",
+                                self.name, path, e)
         return self._channel
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> RayFuture | ChannelFuture:

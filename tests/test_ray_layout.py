@@ -218,6 +218,29 @@ class TestLocalRay:
             finally:
                 handle.shutdown()
 
+    def test_channel_that_cannot_connect_leaves_rays_calls(self, monkeypatch, caplog):
+        from ssd.launch import actors
+
+        class Echo:
+            def info(self) -> dict:
+                return {}
+
+            def echo(self, x):
+                return x
+
+        def refuse(path, name):
+            raise FileNotFoundError(path)
+
+        monkeypatch.setattr(actors, "ChannelClient", refuse)
+        actors.register_serializers()
+        handle = actors.RayHandle(actors.actor_class(Echo).remote(), "echo", channel=True)
+        try:
+            with caplog.at_level("WARNING", logger="ssd"):
+                assert handle.call("echo", [1, 2]).result(timeout=60) == [1, 2]
+            assert not handle.via_channel and "using Ray's calls" in caplog.text
+        finally:
+            handle.shutdown()
+
     def test_handle_errors_and_restart(self, models):
         from ssd.launch.placement import place_workers
 
