@@ -6,7 +6,9 @@ Compares, for one [B, V] float32 tensor (default [8, 151936], 4.9 MB):
   via-driver      the driver ray.get()s the tensor and passes the value to the target
   gloo            torch.distributed send/recv between the two actors (TCP store, 2 ranks)
   null            the same two calls with a 1-element tensor: Ray's per-call floor
-under three serialisations of torch tensors (see main()).
+under three serialisations of torch tensors (see main()); and over the actors' call channels (launch/channel.py,
+what RayHandle uses on one node: `channel`): null and via-driver, the driver receiving q from the draft's
+channel and sending it down the target's.
 
 Every variant runs the same two actor calls per round (produce on the draft, consume on the
 target) and the table reports wall time per round and the time above the `null` floor.
@@ -32,6 +34,7 @@ import ray
 import torch
 
 from ssd.launch.actors import register_serializers
+from ssd.launch.channel import ChannelClient, ChannelServer
 
 
 @ray.remote(num_cpus=1)
@@ -87,6 +90,10 @@ class Side:
         dist.recv(self.buf, src=1)
         return float(self.buf[0, 0])
 
+    def open_channel(self) -> str:
+        self._server = ChannelServer(self)
+        return self._server.path
+
     def close_gloo(self) -> None:
         import torch.distributed as dist
 
@@ -122,6 +129,21 @@ def run(rows: int, vocab: int, rounds: int, numpy_serializer: bool, kept: int | 
     times = timed(variants, rounds)
     ray.get([target.close_gloo.remote(), draft.close_gloo.remote()])
     for a in (target, draft):
+        ray.kill(a)
+    return times
+
+
+def run_channel(rows: int, vocab: int, rounds: int, kept: int | None = None) -> dict:
+    register_serializers()
+    target, draft = (Side.remote(rows, vocab, True, kept) for _ in range(2))
+    t_chan, d_chan = (ChannelClient(ray.get(a.open_channel.remote()), n) for a, n in ((target, "t"), (draft, "d")))
+    variants = {
+        "null": lambda: t_chan.call("consume", (d_chan.call("produce", (True,), {}),), {}).result(),
+        "via-driver": lambda: t_chan.call("consume", (d_chan.call("produce", (), {}),), {}).result(),
+    }
+    times = timed(variants, rounds)
+    for c, a in ((t_chan, target), (d_chan, draft)):
+        c.close()
         ray.kill(a)
     return times
 
@@ -164,6 +186,11 @@ def main() -> None:
         finally:
             ray.shutdown()
         results[key] = summarise(times, nbytes)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        results["channel"] = summarise(run_channel(args.rows, args.vocab, args.rounds, kept=args.kept), nbytes)
+    finally:
+        ray.shutdown()
 
     kept = "" if args.kept is None else f", zero outside the first {args.kept} ids"
     print(f"q tensor [{args.rows}, {args.vocab}] float32 = {nbytes / 1e6:.2f} MB{kept}, {args.rounds} rounds, "

@@ -75,19 +75,19 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def encode(obj: Any) -> bytes:
+def encode(obj: Any) -> memoryview:
     buf = io.BytesIO()
     _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buf.getvalue()
+    return buf.getbuffer()  # no copy of a large tensor's bytes
 
 
-def _send(sock: socket.socket, payload: bytes) -> None:
+def _send(sock: socket.socket, payload: memoryview) -> None:
     sock.sendall(_HEADER.pack(len(payload)) + payload if len(payload) < 65536 else _HEADER.pack(len(payload)))
     if len(payload) >= 65536:  # large tensors: no copy into one buffer
         sock.sendall(payload)
 
 
-def _recv(sock: socket.socket) -> bytes | None:
+def _recv(sock: socket.socket) -> bytearray | None:
     """One message, or None once the peer closed the connection."""
     head = _recv_exact(sock, _HEADER.size)
     if head is None:
@@ -143,7 +143,7 @@ class ChannelServer:
             except OSError:  # the coordinator closed its end
                 return
 
-    def _run(self, msg: bytes) -> bytes:
+    def _run(self, msg: bytearray) -> memoryview:
         try:
             method, args, kwargs = pickle.loads(msg)
             own = getattr(self.obj, "own_threads", None)
@@ -154,7 +154,7 @@ class ChannelServer:
             return _error_reply(e)
 
 
-def _error_reply(e: Exception) -> bytes:
+def _error_reply(e: Exception) -> memoryview:
     e.add_note("remote traceback:\n" + "".join(traceback.format_exception(e)))
     try:
         return encode((False, e))
