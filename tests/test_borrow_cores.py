@@ -342,8 +342,8 @@ def test_exploration_while_borrowing_stays_with_options_that_need_no_catch_up(mo
 
 def test_stale_sd_is_re_measured_when_it_can_be_tried(models):
     """SD not run for EXPLORE_EVERY rounds is tried as soon as it can be without a catch-up (a request's
-    first rounds while borrowing), if it scores within EXPLORE_WITHIN of the choice; the periodic
-    re-measurement then restarts its count."""
+    first rounds while borrowing), if it scores within EXPLORE_WITHIN of the choice or a request starts; the
+    periodic re-measurement then restarts its count."""
     from ssd.modes.ssd import EXPLORE_EVERY, EXPLORE_SD_LAG, EXPLORE_WITHIN
 
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=64) as llm:
@@ -365,6 +365,13 @@ def test_stale_sd_is_re_measured_when_it_can_be_tried(models):
         mode._last_tried["sd"] = 100 - EXPLORE_EVERY
         mode.last_scores["sd"] = 0.030 * EXPLORE_WITHIN * 1.01  # far from the best
         assert not mode._sd_stale("ar", 0.0)
+        assert mode._sd_stale("ar", 0.0, fresh=True)  # a request's first round re-measures it anyway
+        mode._last_tried["sd"] = 100 - EXPLORE_EVERY + 1
+        assert not mode._sd_stale("ar", 0.0, fresh=True)  # not when it was measured recently
+        mode._round_lag = EXPLORE_SD_LAG + 1
+        mode._last_tried["sd"] = 100 - EXPLORE_EVERY
+        assert not mode._sd_stale("ar", 0.0, fresh=True)  # nor with a catch-up to pay (a batch's older rows)
+        mode._round_lag = 0
         mode.last_scores["sd"] = 0.040
         mode.borrow = False  # own cores: no backlog, SD can be tried at any lag
         mode._round_lag = 50

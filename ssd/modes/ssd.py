@@ -170,7 +170,7 @@ class SSDMode(DraftBackedMode):
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up (from a
             # ready SSD pipeline only the other SSD option, which keeps the prepared speculation).
             self._rounds_since_explore += 1
-            if self._sd_stale(choice, prepared):
+            if self._sd_stale(choice, prepared, fresh=any(not s.output_ids for s in seqs)):
                 choice = "sd"
                 self._rounds_since_explore = 0
             elif self._rounds_since_explore >= EXPLORE_EVERY:
@@ -184,18 +184,22 @@ class SSDMode(DraftBackedMode):
         self.last_choice = choice
         return choice
 
-    def _sd_stale(self, choice: str, prepared: float) -> bool:
+    def _sd_stale(self, choice: str, prepared: float, fresh: bool = False) -> bool:
         """Whether to re-measure SD now: it has not run for EXPLORE_EVERY rounds, scores within EXPLORE_WITHIN
-        of `choice`, and can be tried now. While borrowing, the periodic re-measurement rarely found SD
-        triable: AR and n-gram rounds grow the draft's backlog past EXPLORE_SD_LAG within a few rounds of each
-        request's start, so after one poor prose stretch SD's acceptance and gated length stayed stale for the
-        rest of the run (MT-Bench, session 41: SD priced 43 ms a token on later prompts, measured 23 once
-        tried; `auto` 0.83-0.92x SD mode). A request's first rounds are such a window."""
+        of `choice` or `fresh` (a request's first round), and can be tried now. While borrowing, the periodic
+        re-measurement rarely found SD triable: AR and n-gram rounds grow the draft's backlog past
+        EXPLORE_SD_LAG within a few rounds of each request's start, so after one poor prose stretch SD's
+        acceptance and gated length stayed stale for the rest of the run (MT-Bench, session 41: SD priced
+        43 ms a token on later prompts, measured 23 once tried; `auto` 0.83-0.92x SD mode). A request's first
+        rounds are such a window. A new request tries a stale SD whatever its price, since its text may suit
+        the draft where the last one did not (session 42: at requests' first rounds SD often scored 1.35-1.45x
+        the choice, and in one MT-Bench run, once past 1.5x, SD never ran again after the second prompt:
+        `auto` 0.76x SD mode); one round per request is the most that costs."""
         if "sd" not in self.allowed or choice == "sd" or not self._explorable("sd", choice, prepared):
             return False
         if self.stats.rounds - self._last_tried.get("sd", -1) < EXPLORE_EVERY:
             return False
-        return self.last_scores["sd"] <= EXPLORE_WITHIN * self.last_scores[choice]
+        return fresh or self.last_scores["sd"] <= EXPLORE_WITHIN * self.last_scores[choice]
 
     def _explorable(self, option: str, choice: str, prepared: float) -> bool:
         """Whether a re-measurement may try `option` this round instead of `choice`."""
