@@ -23,6 +23,7 @@ import io
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -195,14 +196,17 @@ class RayHandle:
         self._pg = placement_group
         self._closed = False
         self._use_channel = channel
+        self._channel_lock = threading.Lock()  # the first call may come from two threads (recovery's restart)
         self._adopt(actor)
 
     def _adopt(self, actor: Any) -> None:
-        self.actor = actor
-        _ACTOR_NAMES[actor._actor_id.hex()] = self.name
-        self._channel: ChannelClient | None = None
-        self._channel_path = (actor.open_channel.remote(ray.get_runtime_context().get_node_id())
-                              if self._use_channel else None)
+        with self._channel_lock:
+            self.actor = actor
+            _ACTOR_NAMES[actor._actor_id.hex()] = self.name
+            # The path first: a call that finds it set waits on the lock instead of taking Ray's calls.
+            self._channel_path = (actor.open_channel.remote(ray.get_runtime_context().get_node_id())
+                                  if self._use_channel else None)
+            self._channel: ChannelClient | None = None
 
     @property
     def via_channel(self) -> bool:
@@ -210,19 +214,23 @@ class RayHandle:
         return self._open_channel() is not None
 
     def _open_channel(self) -> ChannelClient | None:
-        if self._channel is None and self._channel_path is not None:
-            ref, self._channel_path = self._channel_path, None
+        if self._channel_path is None:
+            return self._channel
+        with self._channel_lock:  # no call may take Ray's path while another opens the channel
+            if self._channel_path is None:
+                return self._channel
             try:
-                path = ray.get(ref)
+                path = ray.get(self._channel_path)
             except _DEATH:  # Ray's calls then fail with WorkerDied where their results are read
-                return None
+                path = None
             if path is not None:
                 try:
                     self._channel = ChannelClient(path, self.name)
                 except OSError as e:  # e.g. the actor sees another /tmp: Ray's calls, same results
                     log.warning("%s: cannot connect to the actor's channel at %s (%s); using Ray's calls",
                                 self.name, path, e)
-        return self._channel
+            self._channel_path = None
+            return self._channel
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> RayFuture | ChannelFuture:
         channel = self._open_channel()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import queue
 import shutil
 import socket
 import struct
@@ -136,12 +137,25 @@ class ChannelServer:
         finally:
             self._listener.close()
             shutil.rmtree(self._dir, ignore_errors=True)
+        # Requests are read as they come, so a coordinator sending a large one to a busy worker is not held
+        # up until the worker reads it; they run in order on this thread.
+        requests: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
+        threading.Thread(target=self._receive, args=(conn, requests), name="ssd-channel-recv", daemon=True).start()
         with conn:
             try:
-                while (msg := _recv(conn)) is not None:
+                while (msg := requests.get()) is not None:
                     _send(conn, self._run(msg))
             except OSError:  # the coordinator closed its end
                 return
+
+    @staticmethod
+    def _receive(conn: socket.socket, requests: queue.SimpleQueue) -> None:
+        try:
+            while (msg := _recv(conn)) is not None:
+                requests.put(msg)
+        except OSError:
+            pass
+        requests.put(None)
 
     def _run(self, msg: bytearray) -> memoryview:
         try:
@@ -216,7 +230,9 @@ class ChannelClient:
         fut = ChannelFuture(self.name)
         ready = not any(_is_future(a) and not a.done() for a in (*args, *kwargs.values()))
         with self._lock:
-            if ready and not self._backlog:
+            if self._dead is not None:  # the sender thread is gone too
+                fut._f.set_exception(self._dead)
+            elif ready and not self._backlog:
                 self._send_locked(fut, method, args, kwargs)
             else:
                 self._backlog.append((fut, method, args, kwargs))
@@ -279,7 +295,10 @@ class ChannelClient:
     def _read(self) -> None:
         try:
             while (msg := _recv(self._sock)) is not None:
-                ok, value = pickle.loads(msg)
+                try:
+                    ok, value = pickle.loads(msg)
+                except Exception as e:  # noqa: BLE001 - a result this process cannot rebuild fails its call
+                    ok, value = False, e
                 with self._lock:
                     fut = self._pending.popleft()
                 fut._f.set_result(value) if ok else fut._f.set_exception(value)

@@ -21,6 +21,7 @@ class Worker:
     def __init__(self) -> None:
         self.log: list[str] = []
         self.threads_owned = 0
+        self.gate = threading.Event()
 
     def own_threads(self) -> None:
         self.threads_owned += 1
@@ -37,6 +38,9 @@ class Worker:
 
     def fail(self, msg: str):
         raise ValueError(msg)
+
+    def block(self) -> bool:
+        return self.gate.wait(60)
 
     def sleep(self, s: float) -> float:
         time.sleep(s)
@@ -116,6 +120,19 @@ def test_split_results_and_failed_arguments(served):
         client.call("sleep", (0.5,), {}).result(timeout=0.05)
 
 
+def test_a_large_request_to_a_busy_worker_does_not_hold_up_the_caller(served):
+    worker, _, client = served
+    busy = client.call("block", (), {})
+    big = torch.randn(16, 1 << 18)  # 16 MiB: far more than a socket buffer holds
+    sent: list = []
+    caller = threading.Thread(target=lambda: sent.append(client.call("echo", (big,), {})))
+    caller.start()
+    caller.join(30)
+    assert sent and not busy.done()  # `call` returned while the worker was still busy
+    worker.gate.set()
+    assert busy.result(timeout=30) and torch.equal(sent[0].result(timeout=30), big)
+
+
 def _serve_in_child(conn) -> None:
     server = ChannelServer(Worker())
     conn.send(server.path)
@@ -139,6 +156,8 @@ def test_a_dead_server_fails_pending_and_later_calls():
             assert e.value.name == "draft"
         with pytest.raises(WorkerDied):
             client.call("echo", (2,), {}).result(timeout=10)
+        with pytest.raises(WorkerDied):  # also a call that would have waited for its argument
+            client.call("echo", (Future(),), {}).result(timeout=10)
         client.close()
     finally:
         proc.kill()
