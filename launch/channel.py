@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ssd.handles import WorkerDied
+from ssd.handles import WorkerDied, split_result
 from ssd.workers.messages import WIRE_TYPES
 
 _HEADER = struct.Struct("<Q")  # payload length
@@ -242,16 +242,8 @@ class ChannelClient:
     def call_split(self, method: str, n: int, args: tuple, kwargs: dict) -> list[ChannelFuture]:
         """A method that returns an n-tuple: one future per element."""
         parts = [ChannelFuture(self.name) for _ in range(n)]
-
-        def split(whole: Future) -> None:
-            exc = whole.exception()
-            values = None if exc is not None else tuple(whole.result())
-            if values is not None and len(values) != n:
-                exc, values = ValueError(f"{method} returned {len(values)} values, expected {n}"), None
-            for i, p in enumerate(parts):
-                p._f.set_exception(exc) if values is None else p._f.set_result(values[i])
-
-        self.call(method, args, kwargs)._f.add_done_callback(split)
+        inner = [p._f for p in parts]
+        self.call(method, args, kwargs)._f.add_done_callback(lambda whole: split_result(whole, inner, method))
         return parts
 
     def _send_locked(self, fut: ChannelFuture, method: str, args: tuple, kwargs: dict) -> None:

@@ -49,6 +49,16 @@ def _resolve(a: Any) -> Any:
     return a.result() if isinstance(a, Future) else a
 
 
+def split_result(whole: Future, parts: list[Future], method: str) -> None:
+    """Complete `parts` with the elements of the tuple `whole` returned (or all with its exception)."""
+    exc = whole.exception()
+    values = None if exc is not None else tuple(whole.result())
+    if values is not None and len(values) != len(parts):
+        exc, values = ValueError(f"{method} returned {len(values)} values, expected {len(parts)}"), None
+    for i, p in enumerate(parts):
+        p.set_exception(exc) if values is None else p.set_result(values[i])
+
+
 class LocalHandle:
     def __init__(self, worker: Any, name: str) -> None:
         self.worker = worker
@@ -72,16 +82,7 @@ class LocalHandle:
 
     def call_split(self, method: str, n: int, *args: Any, **kwargs: Any) -> list[Future]:
         parts: list[Future] = [Future() for _ in range(n)]
-
-        def split(whole: Future) -> None:
-            exc = whole.exception()
-            values = None if exc is not None else tuple(whole.result())
-            if values is not None and len(values) != n:
-                exc, values = ValueError(f"{method} returned {len(values)} values, expected {n}"), None
-            for i, p in enumerate(parts):
-                p.set_exception(exc) if values is None else p.set_result(values[i])
-
-        self.call(method, *args, **kwargs).add_done_callback(split)
+        self.call(method, *args, **kwargs).add_done_callback(lambda whole: split_result(whole, parts, method))
         return parts
 
     def shutdown(self) -> None:
