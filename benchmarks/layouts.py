@@ -4,13 +4,14 @@ with the per-round calls on the actors' Unix-socket channel (`ray`, the default)
 
     python benchmarks/layouts.py --mode sd --quantization w4a8 --draft-vocab 32768 --out results/layouts.json
 
-Raw HumanEval 10-15 (the shared docs' reference prompts), greedy, `--max-tokens` each, both cores: the target
+Raw HumanEval 10-15 (the shared docs' reference prompts), greedy (or seeded sampling at `--temperature`),
+`--max-tokens` each, both cores: the target
 and the draft on both for sd / ar, target on the first and draft on the second for ssd / auto (over Ray, `auto`
 then lends cores; in one process it does not). The layouts alternate `--rounds` times, each a fresh engine that
 runs a warm-up request and then `--passes` passes over the prompts; the last pass counts. Per layout: decode
 tok/s, and per round the coordinator's seconds waiting on the draft (drafts) and on the target (verifications),
 which include each call's trip between processes where there is one. Outputs must be equal across layouts
-(greedy, bit-exact kernels). Prints a table and writes JSON.
+(bit-exact kernels; sampling seeded per prompt). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ def run(args: argparse.Namespace, layout: str) -> dict:
               **placement(args.mode, sorted(os.sched_getaffinity(0))))
     try:
         prompts = humaneval_raw(6, 10)
-        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))
         for _ in range(args.passes):
             before = llm.stats()
-            outs = [llm.generate([p], sp)[0] for p in prompts]
+            # Seeded per prompt: sampled outputs must match across layouts too.
+            outs = [llm.generate([p], SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                                     seed=i))[0] for i, p in enumerate(prompts)]
         after = llm.stats()
         tokens = sum(len(o.token_ids) - 1 for o in outs)
         seconds = sum(o.metrics["latency_s"] - o.metrics["ttft_s"] for o in outs)
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="w4a8")
     ap.add_argument("--draft-vocab", type=int, default=32768)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (q crosses every round)")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--layouts", type=lambda v: v.split(","), default=list(LAYOUTS),
