@@ -89,6 +89,8 @@ class Config:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
         if not (isinstance(self.draft_lookahead, int) and 0 <= self.draft_lookahead <= 16):
             raise ValueError(f"draft_lookahead must be an integer in 0..16, got {self.draft_lookahead!r}")
+        if not isinstance(self.ray_channel, bool):
+            raise ValueError(f"ray_channel must be True or False, got {self.ray_channel!r}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if not (isinstance(self.ar_steps, int) and 1 <= self.ar_steps <= 64):

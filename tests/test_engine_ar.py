@@ -102,6 +102,8 @@ def test_config_errors():
         LLM(target=random_model(), mode="sd")
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(target=random_model(vocab=32), draft=random_model(vocab=40), mode="sd", dtype="float32")
+    with pytest.raises(ValueError, match="ray_channel must be True or False"):
+        LLM(target=random_model(), mode="ar", ray_channel="false")
 
 
 def test_stats_and_metrics(llm):
