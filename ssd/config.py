@@ -67,7 +67,10 @@ class Config:
     # nothing to do (AR, SD verification, n-gram) the target also computes on the draft's cores, and
     # while the target waits for a just-in-time draft (SD, a neural backup) the draft on the target's.
     core_loans: bool = True
-    use_ray: bool | None = None  # default: True for ssd/auto (draft on its own process), else False
+    # Workers as Ray actors (each pinned to its cores or GPU; on CPU `auto` then lends cores between them).
+    # None / False: both in this process, on threads, without core loans (2 cores, session 41: `auto` at
+    # ~50 tok/s in one process against ~67 over Ray).
+    use_ray: bool | None = None
     ray_address: str | None = None
     # Calls to actors on the coordinator's node go over a Unix socket they serve (launch/channel.py), not
     # Ray's task path (~2 ms less per call); False keeps Ray's calls. Actors on other nodes always use Ray's.
