@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import shutil
 import socket
 import threading
 from collections.abc import Callable
@@ -288,6 +289,13 @@ class RayHandle:
     def _kill(self) -> None:
         if self._channel is not None:
             self._channel.close()
+        elif self._channel_path is not None:  # served but never connected: the killed actor leaves its socket
+            try:
+                path = ray.get(self._channel_path, timeout=0)
+            except Exception:  # noqa: BLE001 - not served yet, or the actor is gone
+                path = None
+            if path is not None:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         try:
             ray.kill(self.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone

@@ -206,6 +206,11 @@ class TestLocalRay:
                 return x
 
         register_serializers()
+        unused = RayHandle(actor_class(Echo).remote(), "echo", channel=True)
+        path = ray.get(unused._channel_path, timeout=60)
+        assert os.path.exists(path)
+        unused.shutdown()  # never called: its socket's directory goes with it
+        assert not os.path.exists(os.path.dirname(path))
         for channel in (False, True):
             handle = RayHandle(actor_class(Echo).remote(), "echo", channel=channel)
             try:
