@@ -19,7 +19,6 @@ worker code itself propagate as themselves (Ray's RayTaskError subclasses the or
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import shutil
@@ -28,13 +27,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 from ray import exceptions as rex
 
 from ssd.handles import WorkerDied
 from ssd.launch.channel import ChannelClient, ChannelFuture, ChannelServer
+from ssd.launch.wire import Payload, tensor_from_wire, tensor_to_wire
 from ssd.workers.messages import WIRE_TYPES
 
 log = logging.getLogger("ssd")
@@ -54,48 +53,20 @@ _DEATH = (
 
 
 # -- tensors through the object store ----------------------------------------------------------
-# Ray pickles torch tensors through torch's own reducer (several copies); numpy arrays cross
-# out-of-band. benchmarks/transfer.py, one [8, 151936] float32 q (4.9 MB) draft actor -> target
-# actor, ms above Ray's two-call floor on this 2-core box: torch reducer 38, this serializer 11,
-# gloo send/recv 4.3; via the driver 61 (torch reducer) / 16 (this serializer). Against a
-# 100-200 ms CPU verify the gloo saving is a few %, not worth a second, blocking channel to keep
-# paired and re-rendezvous after a draft restart; so q goes through the object store, actor to
-# actor (RayHandle.call_split + passing the future).
+# Numpy payloads (launch/wire.py). Against a 100-200 ms CPU verify a gloo channel's saving over the object
+# store is a few %, not worth a second, blocking channel to keep paired and re-rendezvous after a draft
+# restart; so without the call channel q goes through the object store, actor to actor
+# (RayHandle.call_split + passing the future).
 
 
-def _tensor_to_wire(t: torch.Tensor) -> tuple[str, Any, str]:
-    t = t.detach()
-    device = t.device.type
-    if device != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        return "bf16", t.view(torch.int16).numpy(), device
-    try:
-        return "np", t.numpy(), device
-    except TypeError:  # a dtype numpy lacks (float8, ...): torch's own format
-        buf = io.BytesIO()
-        torch.save(t, buf)
-        return "torch", buf.getvalue(), device
-
-
-def _tensor_from_wire(payload: tuple[str, Any, str]) -> torch.Tensor:
-    kind, data, device = payload
-    if kind == "torch":
-        t = torch.load(io.BytesIO(data), weights_only=True)
-    else:
-        # Copy out of the read-only shared-memory buffer: the receiver may write to its tensors.
-        t = torch.from_numpy(np.array(data, copy=True))
-        if kind == "bf16":
-            t = t.view(torch.bfloat16)
-    # A cuda tensor lands on this process's current device (Ray sets CUDA_VISIBLE_DEVICES).
-    return t.to(device) if device != "cpu" and torch.cuda.is_available() else t
+def _tensor_from_wire(payload: Payload) -> torch.Tensor:
+    return tensor_from_wire(*payload)
 
 
 def register_serializers() -> None:
     """Per process: torch.Tensor (exact type; nn.Parameter keeps torch's path) crosses as numpy, and
     the typed messages (Draft, Outcome, SamplingSpec) as their msgpack bytes."""
-    ray.util.register_serializer(torch.Tensor, serializer=_tensor_to_wire, deserializer=_tensor_from_wire)
+    ray.util.register_serializer(torch.Tensor, serializer=tensor_to_wire, deserializer=_tensor_from_wire)
     for cls in WIRE_TYPES:
         ray.util.register_serializer(cls, serializer=cls.to_msgpack, deserializer=cls.from_msgpack)
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ssd.handles import WorkerDied, split_result
+from ssd.launch.wire import tensor_from_wire, tensor_to_wire
 from ssd.workers.messages import WIRE_TYPES
 
 _HEADER = struct.Struct("<Q")  # payload length
@@ -46,31 +47,11 @@ _WIRE = frozenset(WIRE_TYPES)
 # -- encoding -------------------------------------------------------------------------------------
 
 
-def _tensor_from(kind: str, data: Any, dtype: str, device: str) -> torch.Tensor:
-    if kind == "torch":
-        t = torch.load(io.BytesIO(data), weights_only=True)
-    else:
-        t = torch.from_numpy(data)  # unpickled in-band: a fresh, writable array
-        if dtype == "bfloat16":
-            t = t.view(torch.bfloat16)
-    return t.to(device) if device != "cpu" and torch.cuda.is_available() else t
-
-
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is torch.Tensor:
-            t = obj.detach()
-            device = t.device.type
-            t = t.cpu().contiguous()
-            if t.dtype == torch.bfloat16:
-                return _tensor_from, ("np", t.view(torch.int16).numpy(), "bfloat16", device)
-            try:
-                return _tensor_from, ("np", t.numpy(), "", device)
-            except TypeError:  # a dtype numpy lacks: torch's own format
-                buf = io.BytesIO()
-                torch.save(t, buf)
-                return _tensor_from, ("torch", buf.getvalue(), "", device)
+            return tensor_from_wire, (*tensor_to_wire(obj), False)
         if cls in _WIRE:
             return cls.from_msgpack, (obj.to_msgpack(),)
         return NotImplemented
@@ -83,8 +64,11 @@ def encode(obj: Any) -> memoryview:
 
 
 def _send(sock: socket.socket, payload: memoryview) -> None:
-    sock.sendall(_HEADER.pack(len(payload)) + payload if len(payload) < 65536 else _HEADER.pack(len(payload)))
-    if len(payload) >= 65536:  # large tensors: no copy into one buffer
+    head = _HEADER.pack(len(payload))
+    if len(payload) < 65536:  # one syscall
+        sock.sendall(head + payload)
+    else:  # a large tensor: not copied into one buffer
+        sock.sendall(head)
         sock.sendall(payload)
 
 

@@ -56,7 +56,8 @@ def test_tensors_cross_whole_and_bit_exact(shape, dtype, kept):
     bytes saved on one machine)."""
     import torch
 
-    from ssd.launch.actors import _tensor_from_wire, _tensor_to_wire
+    from ssd.launch.actors import _tensor_from_wire
+    from ssd.launch.wire import tensor_to_wire as _tensor_to_wire
 
     t = _q_over_kept_ids(*shape, kept).to(getattr(torch, dtype))
     payload = _tensor_to_wire(t)
