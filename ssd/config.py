@@ -68,8 +68,9 @@ class Config:
     # while the target waits for a just-in-time draft (SD, a neural backup) the draft on the target's.
     core_loans: bool = True
     # Workers as Ray actors (each pinned to its cores or GPU; on CPU `auto` then lends cores between them).
-    # None / False: both in this process, on threads, without core loans (2 cores, session 41: `auto` at
-    # ~50 tok/s in one process against ~67 over Ray).
+    # False: both in this process, on threads, without core loans. None picks Ray for ssd/auto with a draft on
+    # CPU (2 cores, session 41: `auto` at ~50 tok/s in one process against ~67 over Ray) and with ray_address;
+    # in this process otherwise (SD is as fast there, and nothing starts Ray for AR).
     use_ray: bool | None = None
     ray_address: str | None = None
     # Calls to actors on the coordinator's node go over a Unix socket they serve (launch/channel.py), not
@@ -92,6 +93,14 @@ class Config:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
         if not (isinstance(self.draft_lookahead, int) and 0 <= self.draft_lookahead <= 16):
             raise ValueError(f"draft_lookahead must be an integer in 0..16, got {self.draft_lookahead!r}")
+        if self.use_ray is None:
+            on_cpu = self.device == "cpu" and (self.draft_device or "cpu") == "cpu"
+            speculates_ahead = self.draft is not None and self.mode in ("ssd", "auto")
+            self.use_ray = bool(self.ray_address) or (on_cpu and speculates_ahead)
+        if not isinstance(self.use_ray, bool):
+            raise ValueError(f"use_ray must be True, False or None, got {self.use_ray!r}")
+        if self.ray_address and not self.use_ray:
+            raise ValueError(f"ray_address={self.ray_address!r} joins a Ray cluster; it needs use_ray (not False)")
         if not isinstance(self.ray_channel, bool):
             raise ValueError(f"ray_channel must be True or False, got {self.ray_channel!r}")
         if self.max_batch < 1:

@@ -293,7 +293,8 @@ def test_auto_borrows_in_idle_draft_rounds_and_stays_exact(models, ar_outputs, m
     verifications never borrow (the draft speculates meanwhile). Just-in-time drafts (SD, catch-ups, the
     neural backup's) run on the target's core too; speculation never does. Greedy output still equals AR."""
     cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ar", "ssd_fast", "sd", "ar", "ssd_neural", "ssd_neural"])
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=4, max_len=128) as llm:
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3,
+             dtype="float32", max_batch=4, max_len=128, use_ray=False) as llm:
         mode = lend_cores(llm)
         calls: list[tuple[str, tuple]] = []
         for name, handle in (("target", mode.target), ("draft", mode.draft)):
@@ -324,7 +325,8 @@ def test_exploration_while_borrowing_stays_with_options_that_need_no_catch_up(mo
     From a ready SSD pipeline only SSD options are tried, as before."""
     from ssd.modes.ssd import EXPLORE_SD_LAG
 
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=64) as llm:
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3,
+             dtype="float32", max_batch=2, max_len=64, use_ray=False) as llm:
         mode = llm.engine.mode
         assert all(mode._explorable(o, "ar", 0.0) for o in ("ssd_neural", "ssd_fast", "sd", "ngram"))
         mode.borrow = True
@@ -654,7 +656,8 @@ def test_extend_refuses_what_is_not_a_prompt_piece():
 
 
 def test_prefill_cut_follows_the_measured_costs(models):
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=1, max_len=64) as llm:
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3,
+             dtype="float32", max_batch=1, max_len=64, use_ray=False) as llm:
         mode = llm.engine.mode
         mode.cost.feed, mode.cost.verify.v1 = Ema(0.005, n=1), Ema(0.02, n=1)
         assert mode.prefill_cut(200) is None  # not borrowing
@@ -678,7 +681,8 @@ def test_auto_prefills_the_rest_of_a_prompt_on_borrowed_cores_and_stays_exact(mo
     with LLM(target=models[0], mode="ar", dtype="float32", max_batch=2, max_len=128) as llm:
         expected = [o.token_ids for o in llm.generate(LONG_PROMPTS, GREEDY)]
     cycle_policy(monkeypatch, ["ngram", "ar", "ssd_neural", "sd"])
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=128) as llm:
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3,
+             dtype="float32", max_batch=2, max_len=128, use_ray=False) as llm:
         mode = lend_cores(llm)
         mode.cost.feed, mode.cost.verify.v1 = Ema(0.004, n=1), Ema(0.012, n=1)
         calls: list[tuple[str, tuple]] = []

@@ -157,7 +157,8 @@ def test_gated_sd_rounds_of_auto_greedy_equal_ar(models, ar_outputs, monkeypatch
     monkeypatch.setattr(ssd_mode, "choose", lambda cost, batch, k, allowed, *a, **kw: (next(order),
                                                                                         dict.fromkeys(allowed, 1.0)))
     monkeypatch.setattr(ssd_mode.SSDMode, "_gate_price", lambda self, batch: 1e9)
-    with LLM(target=models[0], draft=models[1], mode="auto", dtype="float32", max_batch=3, max_len=128) as llm:
+    with LLM(target=models[0], draft=models[1], mode="auto",
+             dtype="float32", max_batch=3, max_len=128, use_ray=False) as llm:
         assert llm.engine.mode.gate
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_outputs
         gate = llm.engine.mode.draft.worker.gate_stats

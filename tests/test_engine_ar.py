@@ -5,6 +5,7 @@ import torch
 from tiny_models import random_model
 
 from ssd import LLM, SamplingParams
+from ssd.config import Config
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,22 @@ def test_config_errors():
         LLM(target=random_model(vocab=32), draft=random_model(vocab=40), mode="sd", dtype="float32")
     with pytest.raises(ValueError, match="ray_channel must be True or False"):
         LLM(target=random_model(), mode="ar", ray_channel="false")
+    with pytest.raises(ValueError, match="use_ray must be True, False or None"):
+        LLM(target=random_model(), mode="ar", use_ray="no")
+    with pytest.raises(ValueError, match="ray_address.*needs use_ray"):
+        LLM(target=random_model(), mode="ar", use_ray=False, ray_address="auto")
+
+
+def test_default_layout():
+    """Ray actors by default only where they are measured faster: ssd/auto with a draft on CPU (core loans)."""
+    assert Config(target="t", draft="d").use_ray is True  # mode auto
+    assert Config(target="t", draft="d", mode="ssd").use_ray is True
+    assert Config(target="t", draft="d", mode="sd").use_ray is False
+    assert Config(target="t").use_ray is False
+    assert Config(target="t", draft="d", device="cuda:0", draft_device="cuda:1").use_ray is False
+    assert Config(target="t", draft="d", draft_device="cuda:0").use_ray is False
+    assert Config(target="t", mode="ar", ray_address="auto").use_ray is True
+    assert Config(target="t", draft="d", use_ray=False).use_ray is False
 
 
 def test_stats_and_metrics(llm):

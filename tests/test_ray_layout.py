@@ -5,6 +5,7 @@ import time
 from concurrent.futures import Future
 
 import pytest
+from local_ray import start_ray
 from tiny_models import random_model
 
 from ssd import LLM, SamplingParams
@@ -158,7 +159,7 @@ def test_openmp_env_keeps_the_drivers_settings(monkeypatch):
 
 @pytest.fixture(scope="class")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -190,6 +191,19 @@ class TestLocalRay:
             # idle OpenMP threads sleep soon instead of spinning on cores the other actor computes on
             assert info["gomp_spincount"] == os.environ.get("GOMP_SPINCOUNT", str(WORKER_SPINCOUNT))
         assert infos[0]["pid"] != infos[1]["pid"]
+
+    def test_default_layout_for_auto_and_ssd(self, models, local_outputs):
+        """Without use_ray, ssd/auto with a draft on CPU run as Ray actors over the channel, and give the
+        in-process engine's greedy tokens and seeded samples (mode ssd: its rounds do not depend on timing)."""
+        target, draft = models
+        with LLM(target=target, draft=draft, mode="ssd", k=3, use_ray=False, **COMMON) as llm:
+            want = [o.token_ids for o in llm.generate(PROMPTS, SAMPLED)]
+        with LLM(target=target, draft=draft, mode="ssd", k=3, **COMMON) as llm:
+            assert llm.config.use_ray and all(h.via_channel for h in llm._handles)
+            assert [o.token_ids for o in llm.generate(PROMPTS, SAMPLED)] == want
+        with LLM(target=target, draft=draft, **COMMON) as llm:  # mode auto
+            assert llm.config.use_ray and all(h.via_channel for h in llm._handles)
+            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
 
     def test_messages_cross_as_msgpack(self):
         """Typed messages travel as their msgpack bytes, not pickled: what msgpack refuses, the call refuses."""
@@ -317,7 +331,7 @@ def test_draft_on_second_node(models, local_outputs):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1, resources={"draft_node": 1})
-        ray.init(address=cluster.address, log_to_driver=False)
+        start_ray(address=cluster.address, log_to_driver=False)
         target, draft = models
         with LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True,
                  extra={"draft_resource": {"draft_node": 1}}, **COMMON) as llm:

@@ -83,7 +83,7 @@ def test_ngram_rounds_speculate_and_hit(models, monkeypatch, speculates):
     prompt = [5, 6, 7, 8] * 4  # the lookup always matches
     with LLM(target=models[0], mode="ar", dtype="float32", max_batch=1, max_len=160) as llm:
         want = llm.generate([prompt], GREEDY)[0].token_ids
-    with LLM(target=models[0], draft=models[0], mode="auto", k=3, fanout=[1, 1, 1, 1], dtype="float32",
+    with LLM(target=models[0], draft=models[0], mode="auto", k=3, fanout=[1, 1, 1, 1], dtype="float32", use_ray=False,
              max_batch=1, max_len=160) as llm:
         out = llm.generate([prompt], GREEDY)[0]
         st = llm.stats()
@@ -140,7 +140,8 @@ def test_ngram_rounds_speculate_only_on_short_drafts_that_fit(models):
     from ssd.policy import Ema, VerifyLine
     from ssd.workers.messages import Draft
 
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=64) as llm:
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3,
+             dtype="float32", max_batch=2, max_len=64, use_ray=False) as llm:
         mode = llm.engine.mode
         mode.cost.verify = VerifyLine(Ema(0.1), Ema(0.02))  # verifying n tokens: 0.1 + 0.02 n seconds
         short, long = [Draft(seq_id=0, tokens=[1, 2, 3])], [Draft(seq_id=0, tokens=[1] * 4)]

@@ -26,7 +26,8 @@ def draft():
 
 def run_case(target, draft, params, seed, n=3, prompt=PROMPT, num=N_SAMPLES, mode="ssd", **kw):
     exact = exact_continuation_probs(target, prompt, n, params)
-    with LLM(target=target, draft=draft, mode=mode, dtype="float32", max_batch=64, max_len=96, **kw) as llm:
+    with LLM(target=target, draft=draft, mode=mode,
+             dtype="float32", max_batch=64, max_len=96, **kw, use_ray=False) as llm:
         samples = sample_continuations(llm, prompt, n, params, num, seed)
         st = llm.stats()
     return chi_square_pvalue(samples, exact, min_expected=10), st

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from local_ray import start_ray
 from tiny_models import random_model
 from torch import nn
 
@@ -218,7 +219,7 @@ def test_tp_without_ray_is_an_error():
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
