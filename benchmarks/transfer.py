@@ -8,7 +8,9 @@ Compares, for one [B, V] float32 tensor (default [8, 151936], 4.9 MB):
   null            the same two calls with a 1-element tensor: Ray's per-call floor
 under three serialisations of torch tensors (see main()); and over the actors' call channels (launch/channel.py,
 what RayHandle uses on one node: `channel`): null and via-driver, the driver receiving q from the draft's
-channel and sending it down the target's.
+channel and sending it down the target's; dense-verify and columns-verify, the same with the target writing q
+into a zeroed [B, V] as its verifier does, q sent whole or as a SubsetQ of its first `--columns` ids (what a
+draft restricted by `draft_vocab` sends, workers/subset_q.py).
 
 Every variant runs the same two actor calls per round (produce on the draft, consume on the
 target) and the table reports wall time per round and the time above the `null` floor.
@@ -35,6 +37,7 @@ import torch
 
 from ssd.launch.actors import register_serializers
 from ssd.launch.channel import ChannelClient, ChannelServer
+from ssd.workers.subset_q import SubsetQ, write_q
 
 
 @ray.remote(num_cpus=1)
@@ -58,6 +61,15 @@ class Side:
 
     def produce_np(self) -> np.ndarray:
         return self.q.clone().numpy()
+
+    def produce_columns(self, columns: int) -> SubsetQ:
+        return SubsetQ(self.q[:, :columns].clone(), torch.arange(columns), self.q.shape[1])
+
+    def consume_into(self, q: torch.Tensor | SubsetQ) -> float:
+        """What the verifier does with a draft's q: write it into zeroed rows of the whole vocabulary."""
+        out = torch.zeros(self.q.shape)
+        write_q(out, q)
+        return float(out[0, 0])
 
     def consume(self, q) -> float:
         if isinstance(q, np.ndarray):
@@ -133,13 +145,16 @@ def run(rows: int, vocab: int, rounds: int, numpy_serializer: bool, kept: int | 
     return times
 
 
-def run_channel(rows: int, vocab: int, rounds: int, kept: int | None = None) -> dict:
+def run_channel(rows: int, vocab: int, rounds: int, columns: int, kept: int | None = None) -> dict:
     register_serializers()
     target, draft = (Side.remote(rows, vocab, True, kept) for _ in range(2))
     t_chan, d_chan = (ChannelClient(ray.get(a.open_channel.remote()), n) for a, n in ((target, "t"), (draft, "d")))
     variants = {
         "null": lambda: t_chan.call("consume", (d_chan.call("produce", (True,), {}),), {}).result(),
         "via-driver": lambda: t_chan.call("consume", (d_chan.call("produce", (), {}),), {}).result(),
+        "dense-verify": lambda: t_chan.call("consume_into", (d_chan.call("produce", (), {}),), {}).result(),
+        "columns-verify": lambda: t_chan.call(
+            "consume_into", (d_chan.call("produce_columns", (columns,), {}),), {}).result(),
     }
     times = timed(variants, rounds)
     for c, a in ((t_chan, target), (d_chan, draft)):
@@ -169,6 +184,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--kept", type=int, default=None, help="q = 0 outside the first KEPT token ids")
+    ap.add_argument("--columns", type=int, default=32770,
+                    help="columns-verify's SubsetQ width (draft_vocab 32768 plus the end-of-sequence ids)")
     ap.add_argument("--out", default="results/transfer.json")
     args = ap.parse_args()
     nbytes = args.rows * args.vocab * 4
@@ -188,7 +205,8 @@ def main() -> None:
         results[key] = summarise(times, nbytes)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        results["channel"] = summarise(run_channel(args.rows, args.vocab, args.rounds, kept=args.kept), nbytes)
+        results["channel"] = summarise(run_channel(args.rows, args.vocab, args.rounds, args.columns, kept=args.kept),
+                                       nbytes)
     finally:
         ray.shutdown()
 
@@ -206,6 +224,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "shape": [args.rows, args.vocab], "dtype": "float32", "bytes": nbytes, "kept": args.kept,
+        "columns": args.columns,
         "rounds": args.rounds,
         "cpu_count": os.cpu_count(), "machine": platform.machine(), "torch": torch.__version__,
         "ray": ray.__version__, "results": results,

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from ssd.workers.subset_q import QDraft
 
 
 @dataclass
 class CacheEntry:
     tokens: list[int]  # y_1..y_K
-    q: torch.Tensor | None  # [K, V] the distributions y_j were sampled from (None: greedy)
+    q: QDraft | None  # [K, V] (or its columns) the distributions y_j were sampled from (None: greedy)
     path: list[int]  # tree-region node indices to keep: x_1..x_k, t*, y_1..y_{K-1}
     tops: list | None = None  # ranked candidates: the top of the distribution each y_j was drafted from
 

@@ -15,6 +15,7 @@ import torch
 from ssd.handles import WorkerDied
 from ssd.launch.channel import ChannelClient, ChannelServer
 from ssd.workers.messages import Draft, Outcome
+from ssd.workers.subset_q import SubsetQ
 
 
 class Worker:
@@ -77,6 +78,9 @@ def test_values_tensors_and_messages_roundtrip(served):
     with pytest.raises(TypeError, match="msgpack wire"):  # what msgpack refuses, the call refuses
         client.call("echo", (Draft(seq_id=2, tokens=[np.int64(3)]),), {}).result(timeout=10)
     assert client.call("echo", ({"k": (1, 2.5, "s")},), {}).result(timeout=10) == {"k": (1, 2.5, "s")}
+    q = SubsetQ(torch.rand(3, 4), torch.tensor([0, 2, 7, 9]), 12)  # a restricted draft's q: its columns only
+    back = client.call("echo", (q,), {}).result(timeout=10)
+    assert isinstance(back, SubsetQ) and torch.equal(back.dense(), q.dense())
 
 
 def test_worker_errors_keep_their_type_and_the_remote_traceback(served):

@@ -51,9 +51,9 @@ def _q_over_kept_ids(rows: int, vocab: int, kept: int, seed: int = 0):
 @pytest.mark.parametrize("shape,dtype,kept", [((8, 151936), "float32", 151936), ((8, 151936), "float32", 32770),
                                               ((4, 1000), "float32", 10), ((8, 151936), "bfloat16", 100)])
 def test_tensors_cross_whole_and_bit_exact(shape, dtype, kept):
-    """A q over part of the vocabulary crosses whole too: sending only its used columns measured twice as
-    slow actor to actor (benchmarks/transfer.py --kept; the scan, gather and scatter cost more than the
-    bytes saved on one machine)."""
+    """A dense q over part of the vocabulary crosses whole: finding its used columns measured twice as slow
+    actor to actor (benchmarks/transfer.py --kept; the scan, gather and scatter cost more than the bytes saved
+    on one machine). A restricted draft sends the columns it knows instead (workers/subset_q.py)."""
     import torch
 
     from ssd.launch.actors import _tensor_from_wire

@@ -25,6 +25,7 @@ from ssd.workers.models.vocab_subset import SubsetHead, draft_vocab_ids, restric
 from ssd.workers.ngram import NgramIndex
 from ssd.workers.ranking import RANK_TOP, AcceptanceByConfidence, Top, confidences, ranked_outcomes
 from ssd.workers.seq_state import make_generator
+from ssd.workers.subset_q import QDraft, QRow, stack_q
 
 CANDIDATE_VOCABS = ("draft", "full")
 FEED_AHEAD_LAG = 2  # committed tokens a feed-ahead commit may leave uncached
@@ -78,7 +79,7 @@ class Resolution:
     seq_id: int
     hit: bool
     draft: Draft | None  # the next speculation (None: miss without a neural backup)
-    q: torch.Tensor | None
+    q: QDraft | None
 
 
 class DraftWorker(ModelWorker):
@@ -239,7 +240,7 @@ class DraftWorker(ModelWorker):
         self, logits: torch.Tensor, states: list[DraftSeq], fanout: list[int] | None, cols: torch.Tensor | None = None
     ) -> tuple[list[int], torch.Tensor | None]:
         """Sample one token per row of logits [B, V] (or [B, C] at token ids `cols`); returns (tokens, q [B, V]
-        the exact sampling distribution).
+        (or [B, C] at `cols`: zero at every other id) the exact sampling distribution).
 
         With Saguaro (C < 1) and a fan-out, rows sample from sigma_{F,C}; verification uses this q.
         An all-greedy batch takes the argmax (what sampling the greedy one-hot gives) and no q.
@@ -249,10 +250,8 @@ class DraftWorker(ModelWorker):
             best = argmax_last(logits.float())  # [B]; ascending cols keep ties on the lowest id
             return (best if cols is None else cols[best]).tolist(), None
         dev = logits.device
-        if cols is not None:  # q is a distribution over the whole vocabulary (-inf logits elsewhere)
-            assert self._subset is not None
-            full = logits.new_full((logits.shape[0], self._subset.vocab_size), float("-inf"))
-            logits = full.index_copy_(-1, cols, logits)
+        # On columns `cols` the filters and Saguaro's top-F see what they would on the whole row, whose other
+        # logits are -inf (ascending ids keep ties on the lowest id), and the cumulative sum is the same.
         temp = torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=dev)
         top_k = torch.tensor([s.top_k for s in specs], dtype=torch.long, device=dev)
         top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=dev)
@@ -263,13 +262,14 @@ class DraftWorker(ModelWorker):
             sag = saguaro_probs(logits, temp, top_k, top_p, fo, self.saguaro_c)
             probs = torch.where(sampled[:, None], sag, probs)
         u = torch.stack([torch.rand(1, generator=s.gen)[0] for s in states])  # host generators, per request
-        return sample_from_probs(probs, u).tolist(), probs
+        picked = sample_from_probs(probs, u)  # [B] column indices
+        return (picked if cols is None else cols[picked]).tolist(), probs
 
     # -- plain SD ----------------------------------------------------------------------------
     def propose(
         self, requests: list[tuple[int, int]], fanout: list[list[int]] | None = None, borrow: bool = False,
         stop_below: float = 0.0,
-    ) -> tuple[list[Draft], list[torch.Tensor | None]]:
+    ) -> tuple[list[Draft], list[QDraft | None]]:
         """Draft k tokens for each (seq_id, k). Returns drafts and, for sampled rows, q [k, V].
 
         fanout[b] (optional, SSD) is the next round's F_0..F_K, used for Saguaro sampling. `borrow`: also
@@ -298,7 +298,7 @@ class DraftWorker(ModelWorker):
 
     def _propose(
         self, requests: list[tuple[int, int]], fanout: list[list[int]] | None, stop_below: float = 0.0
-    ) -> tuple[list[Draft], list[torch.Tensor | None]]:
+    ) -> tuple[list[Draft], list[QDraft | None]]:
         t0 = time.perf_counter()
         states = [self.dseqs[sid] for sid, _ in requests]
         for st in states:
@@ -312,7 +312,7 @@ class DraftWorker(ModelWorker):
         c_last = [1.0] * len(requests)  # the draft's confidence in its last token
         stop = [False] * len(requests)
         tokens: list[list[int]] = [[] for _ in requests]
-        qs: list[list[torch.Tensor]] = [[] for _ in requests]
+        qs: list[list[QRow]] = [[] for _ in requests]
         active = [b for b in range(len(requests)) if ks[b] > 0]
         for b in range(len(requests)):
             if ks[b] == 0:  # nothing drafted: feed lazily next time
@@ -355,7 +355,7 @@ class DraftWorker(ModelWorker):
                     st.tops.extend(self._tops(logits[r0 : r0 + took + 1], cols))
                 tokens[b].extend(drafted)
                 if not st.spec.greedy:
-                    qs[b].append(probs[row])
+                    qs[b].append((probs[row], cols))
                 if g:
                     st.spec_fed.extend(g[:took])
                     if took < len(g):  # the rejected guesses' keys go
@@ -381,7 +381,7 @@ class DraftWorker(ModelWorker):
             if gated[b]:
                 states[b].proposed = list(tokens[b])
             drafts.append(Draft(seq_id=sid, tokens=tokens[b], q_kind="none" if greedy else "dist"))
-            q_out.append(torch.stack(qs[b]) if qs[b] else None)
+            q_out.append(stack_q(qs[b], self.config.vocab_size))
         self.last_propose_s = time.perf_counter() - t0
         self.gate_stats["drafts"] += sum(gated)
         self.gate_stats["stopped"] += sum(stop)
@@ -490,7 +490,7 @@ class DraftWorker(ModelWorker):
         next_node = {b: len(requests[b].tokens) for b in rows}
         paths = {b: [[*range(k)] for k, _ in branches[b]] for b in rows}  # each branch's fed nodes
         ys: dict[int, list[list[int]]] = {b: [[] for _ in branches[b]] for b in rows}
-        qs: dict[int, list[list[torch.Tensor]]] = {b: [[] for _ in branches[b]] for b in rows}
+        qs: dict[int, list[list[QRow]]] = {b: [[] for _ in branches[b]] for b in rows}
         tops_y: dict[int, list[list[Top]]] = {b: [[] for _ in branches[b]] for b in rows if ranked[b]}
         step = 0
         while True:
@@ -539,7 +539,7 @@ class DraftWorker(ModelWorker):
                     if b in tops_y:  # the next round's tops, should this branch be the outcome
                         tops_y[b][j].extend(self._tops(out[row, r0 : r0 + took + 1], cols))
                     if not states[b].spec.greedy:
-                        qs[b][j].append(probs[i])
+                        qs[b][j].append((probs[i], cols))
                     i += 1
                 next_node[b] += len(toks[row])
             self.lookahead_stats["forwards"] += 1
@@ -550,7 +550,7 @@ class DraftWorker(ModelWorker):
             for j, (k, t) in enumerate(branches[b]):
                 if b in ys:
                     y = ys[b][j]
-                    q = torch.stack(qs[b][j]) if qs[b][j] else None
+                    q = stack_q(qs[b][j], self.config.vocab_size)
                     path = paths[b][j]  # x_1..x_k, t*, y_1..y_{m-1} (the last drafted token y_m not fed)
                 else:  # k_next == 0: nothing to draft next round, the hit only saves the sync
                     y, q, path = [], None, [*range(k)]

@@ -10,6 +10,7 @@ from ssd.kernels.sampling import filter_logits
 from ssd.kernels.verify import verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
 from ssd.workers.base import ModelWorker
 from ssd.workers.messages import Draft, Outcome
+from ssd.workers.subset_q import QDraft, dense_q, write_q
 
 
 class TargetWorker(ModelWorker):
@@ -20,12 +21,12 @@ class TargetWorker(ModelWorker):
         self.last_verify_s = 0.0
 
     def verify(
-        self, drafts: list[Draft], q_draft: list[torch.Tensor | None] | None = None, borrow: bool = False
+        self, drafts: list[Draft], q_draft: list[QDraft | None] | None = None, borrow: bool = False
     ) -> list[Outcome]:
         """Score [pending] + draft tokens for each sequence in one forward and verify losslessly.
 
-        q_draft[b] is [K_b, V] (the exact distribution each draft token was sampled from) for
-        drafts of q_kind "dist"; ignored otherwise. `borrow`: also compute on the draft's cores
+        q_draft[b] is [K_b, V] (the exact distribution each draft token was sampled from), or a SubsetQ of its
+        columns, for drafts of q_kind "dist"; ignored otherwise. `borrow`: also compute on the draft's cores
         (`spare_cores`), which the coordinator asks for only while the draft has nothing to do.
         """
         with self._cores(borrow):
@@ -49,7 +50,7 @@ class TargetWorker(ModelWorker):
             active = [sid for sid in active if left[sid] > 0 and out[sid][-1] not in stops[sid]]
         return [Outcome(seq_id=sid, num_accepted=0, tokens=out[sid]) for sid in seq_ids]
 
-    def _verify(self, drafts: list[Draft], q_draft: list[torch.Tensor | None] | None) -> list[Outcome]:
+    def _verify(self, drafts: list[Draft], q_draft: list[QDraft | None] | None) -> list[Outcome]:
         t0 = time.perf_counter()
         if q_draft is None:
             q_draft = [None] * len(drafts)
@@ -65,7 +66,7 @@ class TargetWorker(ModelWorker):
         self.last_verify_s = time.perf_counter() - t0
         return out  # type: ignore[return-value]
 
-    def _verify_chains(self, drafts: list[Draft], q_draft: list[torch.Tensor | None]) -> list[Outcome]:
+    def _verify_chains(self, drafts: list[Draft], q_draft: list[QDraft | None]) -> list[Outcome]:
         states = [self.seqs[d.seq_id] for d in drafts]
         blocks = [[st.pending, *d.tokens] for st, d in zip(states, drafts)]
         logits = self.runner.forward([st.slot for st in states], blocks)  # [B, K+1, V]
@@ -104,7 +105,7 @@ class TargetWorker(ModelWorker):
                     if d.q_kind == "dist":
                         if q_draft[b] is None or tuple(q_draft[b].shape) != (kb, V):
                             raise ValueError(f"sequence {d.seq_id}: q_draft must be [{kb}, {V}]")
-                        q[row, :kb] = q_draft[b].to(dev, torch.float32)
+                        write_q(q[row, :kb], q_draft[b])
                     else:  # point mass: a drafter without probabilities
                         q[row, torch.arange(kb, device=dev), torch.tensor(d.tokens, device=dev)] = 1.0
                 # Fixed draw pattern per sequence: reproducible whatever else is in the batch.
@@ -125,7 +126,7 @@ class TargetWorker(ModelWorker):
             outcomes.append(Outcome(seq_id=d.seq_id, num_accepted=k, tokens=emitted))
         return outcomes
 
-    def _verify_trees(self, drafts: list[Draft], q_draft: list[torch.Tensor | None]) -> list[Outcome]:
+    def _verify_trees(self, drafts: list[Draft], q_draft: list[QDraft | None]) -> list[Outcome]:
         """Verify token trees, all scored in one forward: [pending] is node 0, tree node i is node i + 1.
 
         q_draft[b] (q_kind "dist") is [N+1, V]: row 0 is the distribution the root's children were
@@ -150,7 +151,7 @@ class TargetWorker(ModelWorker):
                 )[0]  # [N+1, V]
                 uniforms = torch.rand(2 * n + 1, generator=st.gen)
                 uniforms = uniforms.to(row.device)
-                q = q_draft[b].to(row.device) if d.q_kind == "dist" and q_draft[b] is not None else None
+                q = dense_q(q_draft[b]).to(row.device) if d.q_kind == "dist" and q_draft[b] is not None else None
                 path, nxt = verify_tree_rejection(
                     tree_tokens, tree_parents, p_target[0], p_target[1:],
                     None if q is None else q[0], None if q is None else q[1:], uniforms,

@@ -30,6 +30,7 @@ from ssd.workers.messages import Draft, Outcome, SamplingSpec
 from ssd.workers.models.decoder import DecoderModel
 from ssd.workers.models.dense import apply_linear_kernel
 from ssd.workers.models.tensor_parallel import shard_model
+from ssd.workers.subset_q import QDraft
 from ssd.workers.target_worker import TargetWorker
 
 log = logging.getLogger("ssd.tp")
@@ -116,7 +117,7 @@ class TPTargetWorker(TargetWorker):
             st.gen.set_state(self._broadcast(st.gen.get_state()))
 
     def verify(
-        self, drafts: list[Draft], q_draft: list[torch.Tensor | None] | None = None, borrow: bool = False
+        self, drafts: list[Draft], q_draft: list[QDraft | None] | None = None, borrow: bool = False
     ) -> list[Outcome]:
         outcomes = super().verify(drafts, q_draft, borrow)
         if self.tp_size > 1 and drafts:
