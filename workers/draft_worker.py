@@ -270,7 +270,8 @@ class DraftWorker(ModelWorker):
         self, requests: list[tuple[int, int]], fanout: list[list[int]] | None = None, borrow: bool = False,
         stop_below: float = 0.0,
     ) -> tuple[list[Draft], list[QDraft | None]]:
-        """Draft k tokens for each (seq_id, k). Returns drafts and, for sampled rows, q [k, V].
+        """Draft k tokens for each (seq_id, k). Returns drafts and, for sampled rows, q [k, V] (a restricted
+        draft's as a SubsetQ of its columns).
 
         fanout[b] (optional, SSD) is the next round's F_0..F_K, used for Saguaro sampling. `borrow`: also
         compute on the target's cores (`spare_cores`), which the coordinator asks for only while the
