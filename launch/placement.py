@@ -36,6 +36,7 @@ thread each.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,6 +203,23 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
+class RayCPUsBusy(RuntimeError):
+    """The local Ray has too few free CPUs for this engine's actors: another engine holds them."""
+
+
+def wait_for_cpus(need: float, wait_s: float) -> tuple[float, float]:
+    """(free, total) CPUs of the Ray this process is connected to, waiting up to wait_s for `need` of them
+    free: a just-closed engine's killed actors give theirs back asynchronously."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        free = ray.available_resources().get("CPU", 0.0)
+        if free >= need or time.monotonic() >= deadline:
+            return free, ray.cluster_resources().get("CPU", 0.0)
+        time.sleep(0.05)
+
+
 def _local_cores() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
@@ -227,6 +245,14 @@ def place_workers(
     init_ray(cfg)
     register_serializers()
     plan = plan_placement(cfg, _local_cores(), pin=not cfg.ray_address)
+    if not cfg.ray_address:  # this machine's Ray: its actors would wait forever for CPUs another engine holds
+        need = sum(ap.num_cpus for ap in (*plan.targets, plan.draft) if ap is not None)
+        free, total = wait_for_cpus(need, cfg.extra.get("ray_cpu_wait_s", 5.0))
+        if free < need:
+            raise RayCPUsBusy(
+                f"Ray has {free:g} of its {total:g} CPUs free and this engine's actors need {need:g}: another "
+                "engine in this process holds them; close it first, or run this one with use_ray=False"
+            )
     pg = None
     if plan.bundles:
         pg = placement_group(plan.bundles, strategy=plan.strategy)

@@ -105,7 +105,7 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
     if tp != 1 and cfg.use_ray is False:
         raise ValueError(f"target_tp={tp} runs the target's ranks as Ray actors; it needs use_ray (not False)")
     if cfg.use_ray or tp != 1:  # workers as Ray actors (launch/placement.py); a tensor-parallel target implies Ray
-        from ssd.launch.placement import place_workers
+        from ssd.launch.placement import RayCPUsBusy, place_workers
 
         # Worker kwargs beyond dtype/device/slots/len/threads/cores: keep in step with the local path below.
         common = dict(quantization=cfg.quantization, linear_kernel=cfg.linear_kernel, cuda_graphs=cfg.cuda_graphs)
@@ -113,8 +113,16 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
                             quantization=cfg.draft_quantization, draft_vocab=cfg.draft_vocab,
                             ranked=ranked_candidates(cfg), context_vocab=cfg.draft_vocab_context,
                             candidate_vocab=cfg.candidate_vocab, lookahead=cfg.draft_lookahead)
-        rtarget, rdraft, rinfo, rtok = place_workers(cfg, target_kwargs=common, draft_kwargs=draft_kwargs)
-        return _assemble(cfg, rtarget, rdraft, rinfo, rtok, [h for h in (rtarget, rdraft) if h is not None])
+        try:
+            rtarget, rdraft, rinfo, rtok = place_workers(cfg, target_kwargs=common, draft_kwargs=draft_kwargs)
+        except RayCPUsBusy as e:
+            if not (cfg.ray_by_default and tp == 1):
+                raise
+            # The layout was only the default's choice: the same outputs in this process, without core loans.
+            log.warning("%s. Running this engine's workers in this process instead.", e)
+            cfg.use_ray = False
+        else:
+            return _assemble(cfg, rtarget, rdraft, rinfo, rtok, [h for h in (rtarget, rdraft) if h is not None])
 
     # Each worker's constructor pins the thread that builds it (this one) to its cores; its calls run on its
     # LocalHandle's thread (ModelWorker.own_threads), and this thread gets its own cores back.

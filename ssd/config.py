@@ -77,6 +77,8 @@ class Config:
     # Ray's task path (~2 ms less per call); False keeps Ray's calls. Actors on other nodes always use Ray's.
     ray_channel: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    # Set when use_ray=None chose Ray: if another engine holds Ray's CPUs, this one runs in this process instead.
+    ray_by_default: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -97,6 +99,7 @@ class Config:
             on_cpu = self.device == "cpu" and (self.draft_device or "cpu") == "cpu"
             speculates_ahead = self.draft is not None and self.mode in ("ssd", "auto")
             self.use_ray = bool(self.ray_address) or (on_cpu and speculates_ahead)
+            self.ray_by_default = self.use_ray
         if not isinstance(self.use_ray, bool):
             raise ValueError(f"use_ray must be True, False or None, got {self.use_ray!r}")
         if self.ray_address and not self.use_ray:

@@ -1,5 +1,6 @@
 """Workers as Ray actors: same tokens as in-process, placement, draft death, multi-node draft."""
 
+import logging
 import os
 import time
 from concurrent.futures import Future
@@ -11,6 +12,7 @@ from tiny_models import random_model
 from ssd import LLM, SamplingParams
 from ssd.config import Config
 from ssd.handles import LocalHandle, WorkerDied
+from ssd.launch.actors import RayHandle
 from ssd.launch.placement import WORKER_SPINCOUNT, openmp_env, plan_placement
 
 ray = pytest.importorskip("ray")
@@ -204,6 +206,25 @@ class TestLocalRay:
         with LLM(target=target, draft=draft, **COMMON) as llm:  # mode auto
             assert llm.config.use_ray and all(h.via_channel for h in llm._handles)
             assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
+
+    def test_an_engine_beside_one_that_holds_rays_cpus(self, models, local_outputs, caplog):
+        """A first engine holds Ray's CPUs: a second one whose layout was the default's choice runs in this
+        process (a warning, the same tokens); one that asked for Ray gets a clear error, not an endless wait for
+        CPUs. Once the first closes, the next engine gets Ray again."""
+        target, draft = models
+        quick = {"ray_cpu_wait_s": 0.5}
+        with LLM(target=target, draft=draft, mode="ssd", k=3, **COMMON) as first:
+            assert first.config.use_ray
+            with caplog.at_level(logging.WARNING, logger="ssd"):
+                with LLM(target=target, draft=draft, mode="ssd", k=3, extra=quick, **COMMON) as second:
+                    assert not second.config.use_ray and not any(isinstance(h, RayHandle) for h in second._handles)
+                    assert [o.token_ids for o in second.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
+            assert "another engine in this process holds them" in caplog.text
+            with pytest.raises(RuntimeError, match="CPUs free"):
+                LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True, extra=quick, **COMMON)
+            assert [o.token_ids for o in first.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
+        with LLM(target=target, draft=draft, mode="ssd", k=3, **COMMON) as third:  # the CPUs come back
+            assert third.config.use_ray and all(isinstance(h, RayHandle) for h in third._handles)
 
     def test_messages_cross_as_msgpack(self):
         """Typed messages travel as their msgpack bytes, not pickled: what msgpack refuses, the call refuses."""
