@@ -343,6 +343,8 @@ def autoconfigure(
         t_branch = {1: t_chain[ns[0]]}
         t_draft1 = t_step
         k, b = _choose_sd(t_verify, t_draft1, PRIOR_ACCEPTANCE), 0
+    for f in [target.call("release_probe"), draft.call("release_probe")]:  # the timing slots go back
+        f.result()
     log.info("auto-config: k=%d budget=%d (verify %s ms)", k, b,
              {n: round(t * 1e3, 1) for n, t in t_verify.items()})
     if t_borrowed is not None:

@@ -107,6 +107,8 @@ def test_borrowing_without_spare_cores_is_an_error():
 
 
 def test_time_forwards_prefills_once_and_goes_round_the_token_counts():
+    from ssd.workers.messages import SamplingSpec
+
     worker = TargetWorker(random_model(vocab=40, layers=1), dtype="float32", max_slots=1, max_len=64)
     fed: list[tuple[int, bool]] = []
     forward = worker.runner.forward
@@ -120,11 +122,18 @@ def test_time_forwards_prefills_once_and_goes_round_the_token_counts():
     assert set(t) == {1, 3, 5} and all(v > 0 for v in t.values())
     # One prefill of the context, then 3 rounds over the n's (the first one a warm-up).
     assert fed == [(16, False)] + [(1, False), (3, False), (5, False)] * 3
-    assert worker.num_free_slots() == 1  # the timing slot is freed
+    assert worker.num_free_slots() == 0  # the timing slot stays for the next timing call
     fed.clear()
     assert set(worker.time_forwards([4], context=16, tree=True, reps=1)) == {4}
-    assert fed == [(16, False), (4, True), (4, True)]  # n siblings of the context
+    assert fed == [(4, True), (4, True)]  # n siblings of the same prefilled context
+    fed.clear()
+    worker.time_forwards([2], context=12, reps=1)  # another context: prefilled anew
+    assert fed == [(12, False), (2, False), (2, False)] and worker.num_free_slots() == 0
+    worker.release_probe()
     assert worker.num_free_slots() == 1
+    worker.time_forwards([2], context=12, reps=1)
+    worker.add(0, [1, 2, 3], SamplingSpec(temperature=0))  # a sequence takes the probe's slot back
+    assert worker.num_free_slots() == 0 and worker.runner.kv.lengths[worker.seqs[0].slot] == 2
     with pytest.raises(ValueError, match="token counts"):
         worker.time_forwards([0, 2])
     with pytest.raises(ValueError, match="no cores to borrow"):
@@ -144,12 +153,13 @@ def test_keep_busy_runs_forwards_for_the_time_asked_and_frees_its_slot():
 
     worker.runner.forward = spy
     assert worker.keep_busy(0.0, n=3, context=16) == 1  # at least one forward, whatever the time
-    assert fed == [16, 3] and worker.num_free_slots() == 1
+    assert fed == [16, 3] and worker.num_free_slots() == 0  # the probe's slot, kept for the next timing call
     fed.clear()
     t0 = time.perf_counter()
     done = worker.keep_busy(0.05, n=2, context=8)
     assert time.perf_counter() - t0 >= 0.05
     assert done == len(fed) - 1 >= 1 and fed[0] == 8 and set(fed[1:]) == {2}
+    worker.release_probe()
     assert worker.num_free_slots() == 1
 
 
@@ -500,12 +510,18 @@ class TimedHandle:
         self.per_token, self.fixed, self.borrowed = per_token, fixed, []
         self.busy_draft: TimedHandle | None = None
         self.busy_until_result = False
+        self.released = False  # release_probe called
 
-    def call(self, method, ns, context=128, tree=False, reps=3, borrow=False):
+    def call(self, method, ns=(), context=128, tree=False, reps=3, borrow=False):
         from concurrent.futures import Future
 
         if method == "keep_busy":
             return _BusyLoad(self)
+        if method == "release_probe":
+            self.released = True
+            f = Future()
+            f.set_result(None)
+            return f
         assert method == "time_forwards"
         self.borrowed.append(borrow)
         slow = 1.5 if self.busy_draft is not None and self.busy_draft.busy_until_result else 1.0
@@ -522,12 +538,14 @@ def test_start_up_times_a_ladder_of_fanout_sizes_and_interpolates_the_rest():
             super().__init__(per_token, fixed)
             self.asked: list[tuple[list[int], bool]] = []
 
-        def call(self, method, ns, context=128, tree=False, reps=3, borrow=False):
-            self.asked.append((list(ns), tree))
+        def call(self, method, ns=(), context=128, tree=False, reps=3, borrow=False):
+            if method == "time_forwards":
+                self.asked.append((list(ns), tree))
             return super().call(method, ns, context, tree, reps, borrow)
 
-    draft = Recording(0.004, 0.02)
-    ac = autoconfigure(TimedHandle(0.03, 0.05), draft, ssd=True)
+    draft, target = Recording(0.004, 0.02), TimedHandle(0.03, 0.05)
+    ac = autoconfigure(target, draft, ssd=True)
+    assert target.released and draft.released  # both timing slots go back before serving
     sizes = sorted({b for k in K_CHOICES for b in budgets(k)})
     trees = [ns for ns, tree in draft.asked if tree]
     assert len(trees) == 1 and set(trees[0]) == {b for b in sizes if b in BRANCH_TIMED} | {sizes[-1]}

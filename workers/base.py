@@ -124,6 +124,9 @@ class ModelWorker:
             raise ValueError("spare_cores (borrowing another worker's cores) is for CPU workers")
         self.device = device
         self.linear_kernel = linear_kernel
+        # The timing probe's slot and context length: start-up's timing calls share one prefill of the context
+        # (the 1.5B's on one core takes ~0.7 s a call); the first sequence's slot, or release_probe, frees it.
+        self._probe: tuple[int, int] | None = None
         self.model, self.tokenizer = self.load_model(model, parse_dtype(dtype), device, quantization)
         if device == "cpu":
             move_to_huge_pages(self.model)  # same bits; fewer TLB misses while a step streams the weights
@@ -191,6 +194,7 @@ class ModelWorker:
         """A new cache slot holding all but the last prompt token (freed again if the prefill fails)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
+        self.release_probe()
         slot = self.runner.allocate()
         try:
             if len(prompt_ids) > 1:
@@ -261,15 +265,30 @@ class ModelWorker:
 
     @contextlib.contextmanager
     def _probe_slot(self, context: int, longest: int) -> Iterator[tuple[int, int]]:
-        """A slot prefilled with a synthetic context (shortened to leave room for `longest` more tokens),
-        freed afterwards: (slot, context length)."""
+        """A slot prefilled with a synthetic context (shortened to leave room for `longest` more tokens), kept
+        for the next timing call: (slot, context length). Freed by release_probe, or if the body fails."""
         context = max(1, min(context, self.runner.max_len - longest - 1))
-        slot = self.runner.allocate()
+        if self._probe is None or self._probe[1] != context:
+            self.release_probe()
+            slot = self.runner.allocate()
+            self._probe = (slot, context)
+            try:
+                self.runner.forward([slot], [[i % self.config.vocab_size for i in range(context)]], last_only=True)
+            except BaseException:
+                self.release_probe()
+                raise
         try:
-            self.runner.forward([slot], [[i % self.config.vocab_size for i in range(context)]], last_only=True)
-            yield slot, context
-        finally:
-            self.runner.free(slot)
+            yield self._probe
+        except BaseException:
+            self.release_probe()
+            raise
+        self.runner.truncate(self._probe[0], context)
+
+    def release_probe(self) -> None:
+        """Free the timing probe's slot (start-up calls it once its measurements are done)."""
+        if self._probe is not None:
+            self.runner.free(self._probe[0])
+            self._probe = None
 
     def _probe_tokens(self, n: int) -> list[list[int]]:
         return [[(7 * i) % self.config.vocab_size for i in range(n)]]
