@@ -12,7 +12,7 @@ from tiny_models import random_model
 from ssd import LLM, SamplingParams
 from ssd.config import Config
 from ssd.handles import LocalHandle, WorkerDied
-from ssd.launch.actors import RayHandle
+from ssd.launch.actors import RayHandle, actor_class, register_serializers
 from ssd.launch.placement import WORKER_SPINCOUNT, openmp_env, plan_placement
 
 ray = pytest.importorskip("ray")
@@ -230,7 +230,6 @@ class TestLocalRay:
         """Typed messages travel as their msgpack bytes, not pickled: what msgpack refuses, the call refuses."""
         import numpy as np
 
-        from ssd.launch.actors import RayHandle, actor_class, register_serializers
         from ssd.workers.messages import Draft, Outcome
 
         class Echo:
