@@ -28,6 +28,7 @@ DEFAULT_TARGET = "qwen-coder-1.5b"
 DEFAULT_DRAFT = "qwen-coder-0.5b"
 SUBCOMMANDS = ("serve", "generate", "bench", "submit")
 MODES = ("ssd", "sd", "ngram", "ar", "auto")
+QUANTIZATIONS = ("int8", "int4", "w4a8", "w8a8", "w4a8-all")  # quant.QUANT_MODES (not imported: no torch for --help)
 
 
 class CLIError(Exception):
@@ -98,10 +99,12 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                    help="run the workers as Ray actors (default: the engine's choice for the mode)")
     g.add_argument("--ray-channel", action=argparse.BooleanOptionalAction, default=None,
                    help="per-round calls to actors on this node over a Unix socket (default) or Ray's calls")
-    g.add_argument("--quantization", choices=("int8", "int4", "w4a8", "w8a8"),
-                   help="int8/int4: weight-only linears; w4a8/w8a8: + int8 activations (AVX2 kernel, fastest on CPU)")
-    g.add_argument("--draft-quantization", choices=("same", "none", "int8", "int4", "w4a8", "w8a8"),
-                   help="the draft's quantisation (default: same as --quantization; the output stays lossless)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="int8/int4: weight-only linears; w4a8/w8a8: + int8 activations (AVX2 kernel, fastest on CPU); "
+                        "w4a8-all: w4a8 with every layer in 4 bits, the output layer too")
+    g.add_argument("--draft-quantization", choices=("auto", "same", "none", *QUANTIZATIONS),
+                   help="the draft's quantisation (default auto: w4a8-all under a w4a8 target, else the target's; "
+                        "the output stays lossless)")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft proposes only the first N token ids (+ end-of-sequence): a cheaper draft step, "
                         "still lossless")

@@ -22,10 +22,13 @@ class Config:
     device: str = "cpu"
     draft_device: str | None = None
     dtype: str = "bfloat16"
-    quantization: str | None = None  # None, "int8"/"int4" (weight-only) or "w4a8"/"w8a8" (int8 activations, CPU)
-    # The draft's own quantisation ("same" = `quantization`): any draft keeps the output lossless,
-    # so a cheaper draft (e.g. w4a8 under a bf16 target) only changes the speed.
-    draft_quantization: str | None = "same"
+    # None, "int8"/"int4" (weight-only) or "w4a8"/"w8a8"/"w4a8-all" (int8 activations, CPU)
+    quantization: str | None = None
+    # The draft's own quantisation: any draft keeps the output lossless, so a cheaper draft (e.g. w4a8 under a
+    # bf16 target) only changes the speed. "auto": "w4a8-all" under a "w4a8" target (4 bits in every layer, the
+    # output layer too: on CPU the draft's forwards share the memory path with the target's), else the target's;
+    # "same": the target's.
+    draft_quantization: str | None = "auto"
     # Restrict the draft's output layer to the first `draft_vocab` token ids (+ end-of-sequence): a cheaper
     # draft step, still lossless (verification uses the restricted q); None = the whole vocabulary.
     draft_vocab: int | None = None
@@ -112,11 +115,13 @@ class Config:
             raise ValueError(f"ar_steps must be an integer in 1..64, got {self.ar_steps!r}")
         if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):
             raise ValueError(f"unsupported dtype {self.dtype!r}; use bfloat16 or float32")
-        if self.draft_quantization == "same":
+        if self.draft_quantization == "auto":
+            self.draft_quantization = "w4a8-all" if self.quantization == "w4a8" else self.quantization
+        elif self.draft_quantization == "same":
             self.draft_quantization = self.quantization
         if self.draft_quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"unknown draft_quantization {self.draft_quantization!r}; use 'same', None or one of "
+                f"unknown draft_quantization {self.draft_quantization!r}; use 'auto', 'same', None or one of "
                 f"{', '.join(QUANT_MODES)}"
             )
         if self.candidates not in ("ranked", "quota"):

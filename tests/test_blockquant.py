@@ -265,6 +265,28 @@ def test_quantize_model_w4a8_plumbing():
     assert all(isinstance(m, W8A8Linear) for m in m8.modules() if hasattr(m, "qweight"))
 
 
+def test_quantize_model_w4a8_all_puts_every_layer_in_q4():
+    """w4a8-all: the head in q4 too, q5 / q6 codes rounded to q4 instead of kept, q4 codes (Q4_K) kept."""
+    g = torch.Generator().manual_seed(9)
+    model = random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=1).to(torch.bfloat16)
+    o = model.layers[0].self_attn.o_proj.weight
+    affine = {"layers.0.self_attn.o_proj": (torch.randint(0, 16, tuple(o.shape), generator=g, dtype=torch.uint8),
+                                            torch.rand(o.shape[0], o.shape[1] // 32, generator=g) * 0.01,
+                                            torch.zeros(o.shape[0], o.shape[1] // 32))}
+    down = model.layers[0].mlp.down_proj.weight
+    q5 = {"layers.0.mlp.down_proj": (torch.randint(0, 32, tuple(down.shape), generator=g, dtype=torch.uint8),
+                                     torch.full((down.shape[0], down.shape[1] // 32), 0.01).half())}
+    quantize_model(model, "w4a8-all", affine_int4=affine, q5=q5)
+    layers = {n: m for n, m in model.named_modules() if hasattr(m, "qweight")}
+    assert layers and all(type(m) is W4A8Linear for m in layers.values()), {n: type(m) for n, m in layers.items()}
+    assert isinstance(model.lm_head, W4A8Linear) and model.batch_invariant
+    assert torch.equal(model.layers[0].self_attn.o_proj.codes(), affine["layers.0.self_attn.o_proj"][0])
+    assert model.quantization == "w4a8-all"
+    kept = quantize_model(random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=1).to(torch.bfloat16),
+                          "w4a8", q5=q5)
+    assert isinstance(kept.layers[0].mlp.down_proj, W5A8Linear)  # plain w4a8 keeps the 5 bits
+
+
 def test_fused_projection_equals_separate():
     g = torch.Generator().manual_seed(5)
     parts = [W4A8Linear.from_float(torch.randn(n, 96, generator=g), torch.randn(n, generator=g)) for n in (64, 32)]
@@ -324,6 +346,27 @@ def test_model_to_dtype_keeps_the_quantised_weights():
         assert lin.scale.dtype == torch.float16 and torch.equal(lin.dequantize(), w_before)
         tol = 2**-6
         torch.testing.assert_close(lin(x.bfloat16()).float(), before, rtol=tol, atol=tol * before.abs().max().item())
+
+
+@pytest.mark.real_model
+def test_real_05b_w4a8_all_is_q4_throughout():
+    """qwen-coder-0.5b with "w4a8-all": every linear layer (the head too) in q4 tiles, the Q4_K layers' codes as
+    "w4a8" keeps them, and fewer bytes than "w4a8" (whose Q5_0 / Q6_K layers and w8a8 head keep their bits)."""
+    from ssd.workers.loader import load_model
+
+    def load(mode):
+        return load_model("qwen-coder-0.5b", dtype=torch.bfloat16, quantization=mode, progress=False).model
+
+    def nbytes(model):
+        return sum(b.numel() * b.element_size() for m in model.modules() if hasattr(m, "qweight") for b in m.buffers())
+
+    small, full = load("w4a8-all"), load("w4a8")
+    assert all(type(m) is W4A8Linear for m in small.modules() if hasattr(m, "qweight"))
+    q4k = [n for n, m in full.named_modules() if type(m) is W4A8Linear]
+    assert q4k, "the file's Q4_K layers"
+    for name in q4k:
+        assert torch.equal(small.get_submodule(name).codes(), full.get_submodule(name).codes()), name
+    assert nbytes(small) < 0.8 * nbytes(full)
 
 
 @pytest.mark.real_model

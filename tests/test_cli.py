@@ -254,3 +254,20 @@ def test_borrow_flag():
     assert "core_loans" not in kw("--target", "qwen-coder-1.5b", "--draft", "qwen-coder-0.5b")
     assert kw("--target", "qwen-coder-1.5b", "--draft", "qwen-coder-0.5b",
               "--no-core-loans")["core_loans"] is False
+
+
+def test_quantization_flags():
+    """--quantization / --draft-quantization take every mode the engine does (the CLI lists them without torch)."""
+    from ssd.launch.cli import QUANTIZATIONS, config_kwargs, serve_parser
+    from ssd.workers.models.quant import QUANT_MODES
+
+    assert QUANTIZATIONS == QUANT_MODES
+
+    def kw(*argv: str) -> dict:
+        return config_kwargs(serve_parser().parse_args(list(argv)))
+
+    k = kw("--quantization", "w4a8", "--draft-quantization", "w4a8-all")
+    assert (k["quantization"], k["draft_quantization"]) == ("w4a8", "w4a8-all")
+    assert kw("--draft-quantization", "none")["draft_quantization"] is None
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--draft-quantization", "int3"])

@@ -123,6 +123,17 @@ def test_default_layout():
     assert Config(target="t", draft="d", use_ray=False).use_ray is False
 
 
+def test_default_draft_quantization():
+    """auto: a w4a8 target's draft in w4a8-all (fewest bytes), any other target's draft as the target."""
+    assert Config(target="t", draft="d", quantization="w4a8").draft_quantization == "w4a8-all"
+    assert Config(target="t", draft="d", quantization="w4a8", draft_quantization="same").draft_quantization == "w4a8"
+    assert Config(target="t", draft="d", quantization="int8").draft_quantization == "int8"
+    assert Config(target="t", draft="d").draft_quantization is None
+    assert Config(target="t", draft="d", quantization="w4a8", draft_quantization=None).draft_quantization is None
+    with pytest.raises(ValueError, match="draft_quantization"):
+        Config(target="t", draft="d", draft_quantization="w3a8")
+
+
 def test_stats_and_metrics(llm):
     outs = llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     m = outs[0].metrics

@@ -1,9 +1,11 @@
-"""Quantised loading: `load_model(..., quantization="int8" | "int4" | "w4a8" | "w8a8")`.
+"""Quantised loading: `load_model(..., quantization="int8" | "int4" | "w4a8" | "w8a8" | "w4a8-all")`.
 
 "w4a8" / "w8a8" follow the "int4" / "int8" rules below with the block-quantised layers of
 blockquant.py (int8 activations): Q4_K codes -> W4A8Linear, and with "w4a8" Q5_0 codes ->
 W5A8Linear (kept exactly: w = d * (q - 16)) and Q6_K codes -> W6A8Linear (w = d * sc * (q - 32),
-d * sc rounded to fp16; lm_head included); everything else -> W8A8Linear.
+d * sc rounded to fp16; lm_head included); everything else -> W8A8Linear. "w4a8-all" keeps the Q4_K codes
+(lm_head's too) and rounds every other layer to nearest in q4 (W4A8Linear): fewer bits than the file has
+where it has more, the smallest model (a draft's: its output never changes what the target emits).
 
 * "int8": every linear layer (lm_head included) becomes Int8Linear, rounded to nearest from the
   floating-point weights the loader produced.
@@ -143,10 +145,15 @@ def quantize_loaded(
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization {mode!r}; use None or one of {', '.join(QUANT_MODES)}")
     path = Path(path)
-    if mode not in ("int4", "w4a8") or path.suffix != ".gguf" or model.embed_tokens.weight.device.type != "cpu":
+    on_cpu = model.embed_tokens.weight.device.type == "cpu"
+    if mode not in ("int4", "w4a8", "w4a8-all") or path.suffix != ".gguf" or not on_cpu:
         return quantize_model(model, mode)
     names = _linear_names(model)
     q4k, q5_0, q6_k, types = load_gguf_codes(path, model.config, names, cache_dir)
+    if mode == "w4a8-all":
+        log.info("%s: w4a8-all, Q4_K codes kept for %d linear layers, %d rounded to nearest in q4", path.name,
+                 len(q4k), len(names) - len(q4k))
+        return quantize_model(model, mode, affine_int4=q4k)
     affine: dict[str, Any] = {n: v for n, v in q4k.items() if n != "lm_head"}
     # Q5_0 and Q6_K keep their codes (W5A8Linear, W6A8Linear) in the block mode; the weight-only int4
     # mode has no such kernels. A Q6_K head keeps its 6 bits: no fewer than the file has.

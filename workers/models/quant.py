@@ -27,9 +27,12 @@ from torch import nn
 
 log = logging.getLogger("ssd.quant")
 
-QUANT_MODES = ("int8", "int4", "w4a8", "w8a8")
-BLOCK_MODES = ("w4a8", "w8a8")  # int8 activations, ssd.kernels.cpu (see blockquant.py)
-DEFAULT_HEAD = {"int8": "int8", "int4": "int8", "w4a8": "w8a8", "w8a8": "w8a8"}
+QUANT_MODES = ("int8", "int4", "w4a8", "w8a8", "w4a8-all")
+BLOCK_MODES = ("w4a8", "w8a8", "w4a8-all")  # int8 activations, ssd.kernels.cpu (see blockquant.py)
+# "w4a8-all": every layer in q4 tiles, the output layer too, whatever bits a GGUF file gives it (a draft that
+# streams the fewest bytes: on CPU a draft's forwards and the target's share one memory path)
+Q4_MODES = ("w4a8", "w4a8-all")
+DEFAULT_HEAD = {"int8": "int8", "int4": "int8", "w4a8": "w8a8", "w8a8": "w8a8", "w4a8-all": "w4a8-all"}
 INT4_GROUP = 32
 _ROWS = 512  # rows per block when quantising
 
@@ -372,7 +375,7 @@ def make_quant_linear(
 
         require_kernel()
         if weight.shape[1] % W4A8Linear.block == 0:
-            return (W4A8Linear if mode == "w4a8" else W8A8Linear).from_float(weight, bias, dtype)
+            return (W4A8Linear if mode in Q4_MODES else W8A8Linear).from_float(weight, bias, dtype)
     if mode == "int4" and Int4Linear.supports(*weight.shape):
         return Int4Linear.from_float(weight, bias, dtype)
     return Int8Linear.from_float(weight, bias, dtype)  # int8, or int4 shapes the kernel cannot take
@@ -392,8 +395,9 @@ def quantize_model(
 ) -> nn.Module:
     """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear (round to nearest).
 
-    mode: None (no-op), "int8", "int4" (weight-only, torch kernels), "w4a8" or "w8a8" (int8
-    activations, blockquant.py). `skip`: module-name suffixes left in floating point.
+    mode: None (no-op), "int8", "int4" (weight-only, torch kernels), "w4a8", "w8a8" or "w4a8-all" (int8
+    activations, blockquant.py; "w4a8-all" puts the head in q4 too and takes no q5 / q6 codes).
+    `skip`: module-name suffixes left in floating point.
     `head`: how to quantise `lm_head` ("default": int8 for the weight-only modes, w8a8 for the
     block modes; the head is a quarter of the 0.5B model's weights and the single largest matmul
     of a decode step, so it keeps 8 bits; None keeps it floating point, which also gives up batch
@@ -455,7 +459,7 @@ def quantize_model(
         if lmode not in QUANT_MODES:
             raise ValueError(f"unknown quantization {lmode!r} for layer {name}")
         weight = lin.weight.detach().to("cpu")
-        if lmode in ("int4", "w4a8") and name in affine_int4:
+        if lmode in ("int4", *Q4_MODES) and name in affine_int4:
             codes, scale, offset = affine_int4[name]
             if tuple(codes.shape) != tuple(weight.shape):
                 raise ValueError(f"{name}: int4 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
@@ -472,7 +476,7 @@ def quantize_model(
             if tuple(codes.shape) != tuple(weight.shape):
                 raise ValueError(f"{name}: q5 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
             q = W5A8Linear.from_q5(codes, scale, lin.bias, dtype)
-        elif lmode in BLOCK_MODES and name in q6:
+        elif lmode in ("w4a8", "w8a8") and name in q6:
             from ssd.workers.models.blockquant import W6A8Linear
 
             codes, scale = q6[name]
