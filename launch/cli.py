@@ -108,6 +108,9 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft proposes only the first N token ids (+ end-of-sequence): a cheaper draft step, "
                         "still lossless")
+    g.add_argument("--no-autoconfig-cache", dest="autoconfig_cache", action="store_false", default=None,
+                   help="measure the latencies K and the policy start from at every start (default: reuse the last "
+                        "start's when one forward of each worker still takes as long)")
     g.add_argument("--no-core-loans", dest="core_loans", action="store_false", default=None,
                    help="mode auto on CPU: keep target and draft on their own cores even while the other idles")
     g.add_argument("--linear-kernel", choices=("auto", "dense", "torch"),
@@ -244,6 +247,8 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["cuda_graphs"] = False
     if args.core_loans is False:
         kw["core_loans"] = False
+    if args.autoconfig_cache is False:
+        kw["autoconfig_cache"] = False
     if args.draft_gate is False:
         kw["draft_gate"] = False
     if args.ray is not None:

@@ -47,6 +47,7 @@ class AutoConfig:
     # seconds per verification of n tokens on the target's own cores while the draft computes beside it
     t_verify_busy: dict[int, float] | None = None
     draft_borrow_share: float | None = None  # a draft forward on the target's cores too / on its own (measured)
+    t_step: float = 0.0  # one draft step on its own cores (what a start checks a stored configuration by)
 
 
 @dataclass
@@ -356,4 +357,5 @@ def autoconfigure(
         log.info("auto-config: verification beside a busy draft takes %s x the target's own",
                  {n: round(t / t_verify[n], 2) for n, t in t_verify_busy.items()})
     return AutoConfig(k=k, budget=b, t_verify=t_verify, t_draft=t_branch, t_draft1=t_draft1, t_chain=t_chain,
-                      t_borrowed=t_borrowed, draft_borrow_share=draft_share, t_verify_busy=t_verify_busy)
+                      t_borrowed=t_borrowed, draft_borrow_share=draft_share, t_verify_busy=t_verify_busy,
+                      t_step=t_step)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ssd.autoconfig import K_CHOICES, AutoConfig, KTuner, RankedHits, SSDTuner, autoconfigure, feed_time, spec_time
+from ssd.autoconfig_cache import autoconfig_key, cached_autoconfigure
 from ssd.config import Config
 from ssd.engine import Engine
 from ssd.fanout import FanoutPlanner
@@ -62,8 +63,9 @@ def make_mode(
     ssd_tuner: SSDTuner | None = None
     ac: AutoConfig | None = None
     if cfg.k is None and draft is not None and cfg.mode in ("sd", "ssd", "auto"):
-        ac = autoconfigure(target, draft, ssd=cfg.mode != "sd", borrow=borrow, draft_borrow=draft_borrow,
-                           busy=borrow)
+        flags = dict(ssd=cfg.mode != "sd", borrow=borrow, draft_borrow=draft_borrow, busy=borrow)
+        ac = cached_autoconfigure(autoconfig_key(cfg, target, draft, flags), target, draft,
+                                  lambda: autoconfigure(target, draft, **flags))
         cfg.k = ac.k
         if cfg.mode == "sd":
             tuner = KTuner(t_verify=ac.t_verify, t_draft1=ac.t_draft1, gated=cfg.draft_gate)

@@ -70,6 +70,9 @@ class Config:
     # nothing to do (AR, SD verification, n-gram) the target also computes on the draft's cores, and
     # while the target waits for a just-in-time draft (SD, a neural backup) the draft on the target's.
     core_loans: bool = True
+    # Keep auto-configuration's measurements between starts (ssd/autoconfig_cache.py): a start with the same
+    # models, settings and machine re-times one forward per worker and reuses them if it matches.
+    autoconfig_cache: bool = True
     # Workers as Ray actors (each pinned to its cores or GPU; on CPU `auto` then lends cores between them).
     # False: both in this process, on threads, without core loans. None picks Ray for ssd/auto with a draft on
     # CPU (2 cores, session 41: `auto` at ~50 tok/s in one process against ~67 over Ray) and with ray_address;
@@ -109,6 +112,8 @@ class Config:
             raise ValueError(f"ray_address={self.ray_address!r} joins a Ray cluster; it needs use_ray (not False)")
         if not isinstance(self.ray_channel, bool):
             raise ValueError(f"ray_channel must be True or False, got {self.ray_channel!r}")
+        if not isinstance(self.autoconfig_cache, bool):
+            raise ValueError(f"autoconfig_cache must be True or False, got {self.autoconfig_cache!r}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if not (isinstance(self.ar_steps, int) and 1 <= self.ar_steps <= 64):

@@ -11,6 +11,8 @@ from tiny_models import GREEDY, PROMPTS, random_model  # noqa: E402
 from ssd import LLM  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# Engines here measure their start-up latencies afresh (tests of the stored ones set their own directory).
+os.environ["SSD_AUTOCONFIG_CACHE"] = "off"
 
 
 def pytest_collection_modifyitems(config, items):

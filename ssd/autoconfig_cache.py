@@ -1,0 +1,167 @@
+"""Auto-configuration's measurements kept between starts, keyed by everything that sets them.
+
+Measuring the latencies `autoconfigure` needs takes ~7 s of an `auto` start on the real pair on CPU. A start
+whose key matches a stored entry re-times one forward of each worker (~1 s) and keeps the stored prices if both
+are within `TOLERANCE` of the stored ones; otherwise (the machine in another speed phase, a changed build) it
+measures everything again and replaces the entry. Stored prices are only a starting point either way: the
+tuners and the policy correct them from every round's measured times.
+
+The entries live in `$SSD_AUTOCONFIG_CACHE` (a directory; "off" disables the cache) or
+`~/.cache/ssd/autoconfig` (`$XDG_CACHE_HOME` respected); `Config.autoconfig_cache=False` skips it for one engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ssd.autoconfig import AutoConfig
+from ssd.config import Config
+from ssd.handles import WorkerHandle
+
+log = logging.getLogger("ssd")
+
+TOLERANCE = 0.15  # a re-timed forward further than this from its stored time invalidates the entry
+FORMAT = 1  # bump when AutoConfig or the measurements change meaning
+_KERNEL_SOURCES = Path(__file__).resolve().parent.parent / "kernels" / "cpu"
+
+
+def cache_dir() -> Path | None:
+    """Where entries live; None when `$SSD_AUTOCONFIG_CACHE` is "off" (or "0")."""
+    env = os.environ.get("SSD_AUTOCONFIG_CACHE")
+    if env is not None and env.strip().lower() in ("off", "0", ""):
+        return None
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "ssd" / "autoconfig"
+
+
+def machine() -> dict[str, str]:
+    """The CPU and the kernels' sources: a different CPU or kernel build prices forwards differently."""
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    for f in sorted(_KERNEL_SOURCES.glob("*")):
+        if f.suffix in (".cpp", ".h", ".py"):
+            digest.update(f.name.encode() + f.read_bytes())
+    return {"cpu": cpu, "cpus": str(os.cpu_count()), "kernels": digest.hexdigest()[:16]}
+
+
+def model_identity(spec: Any) -> dict[str, Any] | None:
+    """A model given by name or path: its resolved path, size and modification time; None for anything else
+    (an in-memory model has no identity that outlives the process)."""
+    if not isinstance(spec, str):
+        return None
+    from ssd.workers.loader import resolve_alias
+
+    try:
+        path = Path(resolve_alias(spec))
+        st = path.stat()
+    except (OSError, ValueError):
+        return None
+    return {"spec": spec, "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+# Config fields that set what autoconfigure measures: the models' formats, devices, cores and threads, the
+# probe context's room (max_len) and the layout (a worker in this process shares its OpenMP runtime).
+_KEY_FIELDS = ("dtype", "quantization", "draft_quantization", "draft_vocab", "draft_vocab_context", "candidate_vocab",
+               "linear_kernel", "cuda_graphs", "device", "draft_device", "target_cores", "draft_cores",
+               "target_threads", "draft_threads", "core_loans", "use_ray", "max_len", "extra")
+
+
+def autoconfig_key(cfg: Config, target: WorkerHandle, draft: WorkerHandle, flags: dict[str, bool]
+                   ) -> dict[str, Any] | None:
+    """What an engine's measurements depend on; None if they cannot be stored (the cache is off for this
+    engine, or a model is not a named file or directory)."""
+    if not cfg.autoconfig_cache:
+        return None
+    models = [model_identity(cfg.target), model_identity(cfg.draft)]
+    if None in models:
+        return None
+    return {"models": models, "config": {f: getattr(cfg, f) for f in _KEY_FIELDS}, "flags": flags,
+            "workers": [_worker_key(h.call("info").result()) for h in (target, draft)]}
+
+
+# What a worker's info says about its forwards' speed (not its process or node, which change every start).
+_INFO_FIELDS = ("arch", "vocab_size", "max_len", "num_threads", "borrow_threads", "cuda_graphs", "linear_kernel")
+
+
+def _worker_key(info: dict[str, Any]) -> dict[str, Any]:
+    return {f: info.get(f) for f in _INFO_FIELDS}
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _load(path: Path) -> tuple[AutoConfig, dict[str, float]] | None:
+    try:
+        entry = json.loads(path.read_text())
+        if entry.get("format") != FORMAT:
+            return None
+        fields = entry["config"]
+        for name, value in fields.items():  # JSON keys are strings: token counts back to int
+            if isinstance(value, dict):
+                fields[name] = {int(n): float(t) for n, t in value.items()}
+        return AutoConfig(**fields), {k: float(v) for k, v in entry["check"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store(path: Path, ac: AutoConfig, check: dict[str, float], parts: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": FORMAT, "config": dataclasses.asdict(ac), "check": check, "key": parts},
+                                  default=str))
+        tmp.replace(path)  # atomic: a concurrent start reads the old entry or the new one
+    except OSError as e:
+        log.warning("auto-config: could not store the measurements in %s (%s)", path, e)
+
+
+def _check(target: WorkerHandle, draft: WorkerHandle) -> dict[str, float]:
+    """One forward of each worker, timed as autoconfigure times them."""
+    t_target = target.call("time_forwards", [1]).result()[1]
+    t_draft = draft.call("time_forwards", [1]).result()[1]
+    for f in [target.call("release_probe"), draft.call("release_probe")]:
+        f.result()
+    return {"target": t_target, "draft": t_draft}
+
+
+def cached_autoconfigure(
+    parts: dict[str, Any] | None, target: WorkerHandle, draft: WorkerHandle, measure: Callable[[], AutoConfig],
+) -> AutoConfig:
+    """`measure()`'s AutoConfig, or the stored one for `parts` (the key) if a re-timed forward of each worker
+    still matches it. `parts` None, or no cache directory: always measure."""
+    where = cache_dir()
+    if parts is None or where is None:
+        return measure()
+    path = where / f"{cache_key({**parts, 'machine': machine(), 'format': FORMAT})}.json"
+    stored = _load(path) if path.is_file() else None
+    if stored is not None:
+        ac, check = stored
+        now = _check(target, draft)
+        drift = {k: now[k] / check[k] - 1 for k in check if check[k] > 0}
+        if len(drift) == 2 and all(abs(d) <= TOLERANCE for d in drift.values()):
+            log.info("auto-config: stored measurements reused (%s; one forward each now %s of then)", path.name,
+                     {k: f"{1 + d:.2f}x" for k, d in drift.items()})
+            return ac
+        log.info("auto-config: stored measurements stale (one forward each now %s of then): measuring again",
+                 {k: f"{1 + d:.2f}x" for k, d in drift.items()})
+    ac = measure()
+    _store(path, ac, {"target": ac.t_verify[1], "draft": ac.t_step}, parts)
+    return ac
