@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("--draft-quantization", default=None,
-                    help="the draft's own (default: the engine's 'auto', w4a8-all under w4a8)")
+                    help="the draft's own (default: the engine's 'auto', w4a8-g64 under w4a8)")
     ap.add_argument("--k", type=int, default=None)
     ap.add_argument("--modes", default="ar,sd,ngram,ssd,auto")
     ap.add_argument("--placements", default="a,b")

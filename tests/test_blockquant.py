@@ -1,4 +1,4 @@
-"""Block-quantised W4A8 / W5A8 / W6A8 / W8A8 layers (AVX2 kernel, ssd/kernels/cpu): kernel vs torch
+"""Block-quantised W4A8 / W4G64A8 / W5A8 / W6A8 / W8A8 layers (AVX2 kernel, ssd/kernels/cpu): kernel vs torch
 reference, row independence, rounding bounds, Q4_K, Q5_0 and Q6_K codes kept, model plumbing."""
 
 import numpy as np
@@ -8,7 +8,7 @@ from test_quant import random_q4k_blocks, real_gguf_tensor
 from tiny_models import random_model
 
 from ssd.kernels import cpu as qk
-from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
+from ssd.workers.models.blockquant import W4A8Linear, W4G64A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
 from ssd.workers.models.quant import Int8Linear, q4k_to_affine, q5_0_codes, q6k_codes, quantize_model
 
 pytestmark = pytest.mark.skipif(not qk.available(), reason=f"block-quantised kernel: {qk.unavailable_reason()}")
@@ -104,6 +104,49 @@ def test_rounding_within_half_a_step():
     q8 = W8A8Linear.from_float(w)
     step8 = q8.scale.float().repeat_interleave(32, dim=1)
     assert ((q8.dequantize() - w).abs() <= 0.5 * step8 * 1.01).all()
+    w[1, :64] = -0.25  # a constant group
+    g64 = W4G64A8Linear.from_float(w)
+    assert g64.scale.shape == g64.offset.shape == (64, 256 // 64)
+    step64 = g64.scale.float().repeat_interleave(64, dim=1)
+    assert ((g64.dequantize() - w).abs() <= 0.5 * step64 * 1.01).all()
+    assert torch.equal(g64.dequantize()[1, :64], torch.full((64,), -0.25))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(40, 128), (13, 640), (44, 896)])  # 5 tiles (pairs + an odd one); padded; 14 groups
+def test_q4g64_is_q4_with_each_scale_repeated_bitwise(dtype, threads, n, k):
+    """A scale and offset per 64 weights: the kernel's integer sums and float steps stay per block of 32, so every
+    output has the bits of the W4A8Linear whose two blocks of a group share the group's scale and offset, at
+    every row count (single tiles, tile pairs, several passes) and thread count; near the float reference."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(n + k)
+        lin = W4G64A8Linear.from_float(torch.randn(n, k, generator=g), torch.randn(n, generator=g), dtype)
+        q4 = lin.as_q4()
+        assert type(q4) is W4A8Linear and torch.equal(q4.dequantize(), lin.dequantize())
+        x = torch.randn(21, k, generator=g).to(dtype)
+        y = lin(x)
+        assert torch.equal(y, q4(x))
+        for m in (1, 2, 3, 5, 8, 9, 17):
+            assert torch.equal(lin(x[:m]), y[:m])
+            assert torch.equal(q4(x[:m]), y[:m])
+        ref = lin.ref_forward(x)
+        tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_q4g64_bad_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        W4G64A8Linear.from_float(torch.randn(8, 96))
+    with pytest.raises(ValueError, match="one per 64"):
+        W4G64A8Linear(torch.zeros(8, 128, dtype=torch.uint8), torch.ones(8, 4), torch.zeros(8, 4), None)
+    lin = W4G64A8Linear.from_float(torch.randn(8, 128))
+    with pytest.raises(ValueError, match="offset"):
+        qk.linear(torch.zeros(1, 128), lin.qweight, lin.scale_bits.view(torch.float16), None, fmt="q4g64", n=8)
 
 
 def test_q4k_codes_kept_and_weights_up_to_fp16_scales():
@@ -287,6 +330,18 @@ def test_quantize_model_w4a8_all_puts_every_layer_in_q4():
     assert isinstance(kept.layers[0].mlp.down_proj, W5A8Linear)  # plain w4a8 keeps the 5 bits
 
 
+def test_quantize_model_w4a8_g64():
+    """w4a8-g64: every layer (the head too) in q4 with a scale per 64, q / k / v and gate / up fused; inputs that
+    are not whole groups of 64 (hidden 96) stay in q4 per 32."""
+    model = random_model(vocab=64, hidden=128, heads=4, kv_heads=2, layers=2).to(torch.bfloat16)
+    quantize_model(model, "w4a8-g64")
+    layers = {n: m for n, m in model.named_modules() if hasattr(m, "qweight")}
+    assert layers and all(type(m) is W4G64A8Linear for m in layers.values()), {n: type(m) for n, m in layers.items()}
+    assert isinstance(model.layers[0].self_attn.qkv_proj, W4G64A8Linear) and model.batch_invariant
+    odd = quantize_model(random_model(vocab=64, hidden=96, heads=4, kv_heads=2, layers=1), "w4a8-g64")
+    assert type(odd.layers[0].self_attn.qkv_proj) is W4A8Linear
+
+
 def test_fused_projection_equals_separate():
     g = torch.Generator().manual_seed(5)
     parts = [W4A8Linear.from_float(torch.randn(n, 96, generator=g), torch.randn(n, generator=g)) for n in (64, 32)]
@@ -296,6 +351,10 @@ def test_fused_projection_equals_separate():
     x = torch.randn(3, 96, generator=g).bfloat16()
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
     assert concat_block_linears([parts[0], W8A8Linear.from_float(torch.randn(8, 96))]) is None
+    g64 = [W4G64A8Linear.from_float(torch.randn(n, 128, generator=g), None) for n in (13, 16)]  # repacked from codes
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    fused = concat_block_linears(g64)
+    assert type(fused) is W4G64A8Linear and torch.equal(fused(x), torch.cat([p(x) for p in g64], dim=1))
 
 
 @pytest.mark.parametrize("cls", [W4A8Linear, W5A8Linear, W6A8Linear])
@@ -367,6 +426,9 @@ def test_real_05b_w4a8_all_is_q4_throughout():
     for name in q4k:
         assert torch.equal(small.get_submodule(name).codes(), full.get_submodule(name).codes()), name
     assert nbytes(small) < 0.8 * nbytes(full)
+    g64 = load("w4a8-g64")
+    assert all(type(m) is W4G64A8Linear for m in g64.modules() if hasattr(m, "qweight"))  # 896 and 4864: whole groups
+    assert nbytes(g64) < 0.92 * nbytes(small)
 
 
 @pytest.mark.real_model
@@ -385,17 +447,18 @@ def test_real_05b_q5_0_layers_load_exactly():
 
 
 @pytest.mark.parametrize("build", qk.supported_isas())
-@pytest.mark.parametrize("cls,top", [(W4A8Linear, 15), (W5A8Linear, 31), (W6A8Linear, 63), (W8A8Linear, 127),
-                                     (W8A8Linear, -127), (W8A8Linear, -128)])
+@pytest.mark.parametrize("cls,top", [(W4A8Linear, 15), (W4G64A8Linear, 15), (W5A8Linear, 31), (W6A8Linear, 63),
+                                     (W8A8Linear, 127), (W8A8Linear, -127), (W8A8Linear, -128)])
 def test_tiles_largest_codes_do_not_overflow_int16(cls, top, build, monkeypatch):
     """Every code at its extreme against activations all +-127, in every build this CPU runs: the int16 partial
     sums are at their bound (q4: 8 * 2 * 15 * 127, q5: 4 * 2 * 31 * 127, q6: 2 * 2 * 63 * 127, q8 without
     VNNI: 2 * 128 * 127) and must not wrap; q8 with VNNI starts each sum at -128 * sum(xq)."""
     lib = qk.load(build)
     monkeypatch.setattr(qk, "_lib", lambda: lib)
-    if cls is W4A8Linear:
-        lin = W4A8Linear(torch.full((16, 64), top, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2), None,
-                         torch.float32)
+    if cls in (W4A8Linear, W4G64A8Linear):
+        groups = 64 // cls.SUB
+        lin = cls(torch.full((16, 64), top, dtype=torch.uint8), torch.ones(16, groups), torch.zeros(16, groups), None,
+                  torch.float32)
     elif cls is W8A8Linear:
         lin = W8A8Linear(torch.full((16, 64), top, dtype=torch.int8), torch.ones(16, 2), None, torch.float32)
     else:
@@ -479,6 +542,12 @@ def test_vnni_builds_give_the_avx2_bits(build, monkeypatch):
                 x = torch.randn(m, k, generator=g).bfloat16()
                 base, fast = run(lambda lin=lin, x=x: lin(x))
                 assert torch.equal(base, fast), (cls.__name__, k, m)
+    for n, k in ((40, 384), (44, 896)):  # q4g64: 6 and 14 groups
+        lin = W4G64A8Linear.from_float(torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.bfloat16)
+        for m in (1, 3, 8, 9, 16, 21):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            base, fast = run(lambda lin=lin, x=x: lin(x))
+            assert torch.equal(base, fast), ("q4g64", k, m)
     from ssd.workers.model_runner import ModelRunner
 
     model = quantize_model(random_model(vocab=64, hidden=64, heads=4, kv_heads=2, layers=2).to(torch.bfloat16), "w4a8")

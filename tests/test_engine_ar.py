@@ -124,8 +124,9 @@ def test_default_layout():
 
 
 def test_default_draft_quantization():
-    """auto: a w4a8 target's draft in w4a8-all (fewest bytes), any other target's draft as the target."""
-    assert Config(target="t", draft="d", quantization="w4a8").draft_quantization == "w4a8-all"
+    """auto: a w4a8 target's draft in w4a8-g64 (fewest bytes), any other target's draft as the target."""
+    assert Config(target="t", draft="d", quantization="w4a8").draft_quantization == "w4a8-g64"
+    assert Config(target="t", draft="d", quantization="w4a8", draft_quantization="w4a8-all").draft_quantization == "w4a8-all"
     assert Config(target="t", draft="d", quantization="w4a8", draft_quantization="same").draft_quantization == "w4a8"
     assert Config(target="t", draft="d", quantization="int8").draft_quantization == "int8"
     assert Config(target="t", draft="d").draft_quantization is None

@@ -42,10 +42,13 @@ def script(model, use_fused: bool) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["w4a8", "w8a8", "dense"])
+@pytest.mark.parametrize("mode", ["w4a8", "w8a8", "w4a8-g64", "dense"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_fused_path_gives_the_torch_path_bits(mode, dtype):
     model = tiny(mode, dtype)
+    if mode == "w4a8-g64":  # every linear in the group-64 format (kind 5 in the C layers)
+        kinds = {fused._linear_kind(m) for m in model.modules() if hasattr(m, "qweight")}
+        assert kinds == {5}, kinds
     ref = script(model, use_fused=False)
     assert model._fused is None
     got = script(model, use_fused=True)

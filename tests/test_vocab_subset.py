@@ -7,7 +7,7 @@ from tiny_models import GREEDY, PROMPTS, random_model
 
 from ssd import LLM, SamplingParams
 from ssd.kernels import cpu as qk
-from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
+from ssd.workers.models.blockquant import W4A8Linear, W4G64A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
 from ssd.workers.models.quant import Int8Linear
 from ssd.workers.models.vocab_subset import SubsetHead, draft_vocab_ids, head_rows, restrict_head
 
@@ -22,7 +22,7 @@ def _heads():
         heads["nn.Linear"].weight.copy_(w)
         heads["nn.Linear"].bias.copy_(b)
     if qk.available():
-        for cls in (W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear):
+        for cls in (W4A8Linear, W4G64A8Linear, W5A8Linear, W6A8Linear, W8A8Linear):
             heads[cls.__name__] = cls.from_float(w, b, torch.float32)
     return heads
 

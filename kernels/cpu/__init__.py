@@ -223,7 +223,8 @@ def ref_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return xq.to(torch.int8).view(m, k), dx, sx
 
 
-BLOCK_FORMATS = {"q4": 1, "q8": 2, "q5": 3, "q6": 4}  # as LinearDesc.kind
+BLOCK_FORMATS = {"q4": 1, "q8": 2, "q5": 3, "q6": 4, "q4g64": 5}  # as LinearDesc.kind
+OFFSET_FORMATS = ("q4", "q4g64")  # w = scale * q + offset
 
 
 def linear(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor | None, fmt: str, n: int) -> Tensor:
@@ -232,6 +233,8 @@ def linear(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor | None, fmt
     * "q4": W = scale * q + offset, codes 0..15 in tiles of 8 rows (N zero-padded to whole tiles):
       qweight [ceil(N/8), K/32 * 128], scale and offset fp16 [ceil(N/8), K/32, 8] (see
       ssd.workers.models.blockquant.W4A8Linear.pack);
+    * "q4g64": q4 with one scale and offset per 64 weights: q4's qweight, scale and offset fp16
+      [ceil(N/8), K/64, 8] (K a multiple of 64; see W4G64A8Linear);
     * "q5": W = scale * (q - 16), codes 0..31 in the same tiles plus a plane of fifth bits:
       qweight [ceil(N/8), K/32 * 160], scale as q4's (see W5A8Linear.pack);
     * "q6": W = scale * (q - 32), codes 0..63 in the same tiles plus two planes of high bits, a scale
@@ -247,8 +250,8 @@ def linear(x: Tensor, qweight: Tensor, scale: Tensor, offset: Tensor | None, fmt
     """
     if fmt not in BLOCK_FORMATS:
         raise ValueError(f"unknown block format {fmt!r}; one of {', '.join(BLOCK_FORMATS)}")
-    if (fmt == "q4") != (offset is not None):
-        raise ValueError("q4 weights need an offset, and only q4 weights take one")
+    if (fmt in OFFSET_FORMATS) != (offset is not None):
+        raise ValueError("q4 / q4g64 weights need an offset, and only they take one")
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype)
     _require().ssd_linear(

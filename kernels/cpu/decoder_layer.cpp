@@ -21,7 +21,7 @@ extern "C" {
 
 // Mirrors ssd.kernels.cpu.LinearDesc (ctypes).
 struct SsdLinear {
-    int32_t kind;  // 0: dense fp32/bf16 weights; block: 1 q4 (w4a8), 2 q8 (w8a8), 3 q5 (Q5_0), 4 q6 (Q6_K)
+    int32_t kind;  // 0: dense fp32/bf16 weights; block: 1 q4 (w4a8), 2 q8 (w8a8), 3 q5 (Q5_0), 4 q6 (Q6_K), 5 q4g64
     int32_t n, k;
     int32_t w_bf16;          // dense: weights (and bias) are bf16
     const void* w;           // dense weight [N, K], or block codes
@@ -88,7 +88,7 @@ void ssd_silu_mul(const void* gu, void* y, int bf16, int M, int I, int nthreads)
 namespace {
 
 ssd_team::TeamLinear team_linear(const SsdLinear& l, void* y, int ldy) {
-    return {l.kind, l.n, static_cast<const uint8_t*>(l.w), l.scale, l.kind == 1 ? l.offset : nullptr, y, ldy};
+    return {l.kind, l.n, static_cast<const uint8_t*>(l.w), l.scale, l.kind == 1 || l.kind == 5 ? l.offset : nullptr, y, ldy};
 }
 
 // y[:, :l.n] (rows ldy apart) += l's bias in the activation dtype, as _BlockLinear.forward's y.add_(bias).

@@ -8,6 +8,9 @@
 //   q5 (3): w = s * (q - 16), q in 0..31 (GGUF Q5_0): q4's tiles plus a plane of fifth bits
 //   q6 (4): w = s * (q - 32), q in 0..63, a scale per 16 weights (GGUF Q6_K): q4's tiles plus two
 //           planes of high bits
+//   q4g64 (5): q4 with one scale and offset per 64 weights (two blocks): q4's tiles, half its scales
+//           (4.5 bits a weight against 5; the integer sums and float steps stay per block of 32, so an
+//           output is bit for bit a q4 layer's whose two blocks of a group repeat the group's scale and offset)
 // Activations are quantised per row and block of 32 to int8 (xq, scale dx; Q8_0 style), so each
 // block's dot product is an exact integer sum (maddubs + madd):
 //   q4: y += s * dx * sum(q * xq) + o * (dx * sum(xq))
@@ -72,7 +75,15 @@
 namespace {
 
 constexpr int QK = 32;
-constexpr int FMT_Q4 = 1, FMT_Q8 = 2, FMT_Q5 = 3, FMT_Q6 = 4;
+constexpr int FMT_Q4 = 1, FMT_Q8 = 2, FMT_Q5 = 3, FMT_Q6 = 4, FMT_Q4G = 5;
+// The code layout of format FMT (q4g64 packs its codes as q4), whether it has q4's offsets, and log2 of the
+// blocks of 32 that share one scale (and offset).
+template <int FMT>
+constexpr int CODES = FMT == FMT_Q4G ? FMT_Q4 : FMT;
+template <int FMT>
+constexpr bool HAS_OFFSET = CODES<FMT> == FMT_Q4;
+template <int FMT>
+constexpr int SCALE_SHIFT = FMT == FMT_Q4G ? 1 : 0;
 
 // sum + (4 adjacent u8 x s8 products) per int32 lane in one VNNI instruction, where the CPU has it
 // (ssd.kernels.cpu picks the build); without it the int8 dot products are maddubs (int16 lanes, which
@@ -145,7 +156,7 @@ void free_acts(QActs& a) {
 // contiguous, so a pass reading ahead also warms the next tile.
 // Bytes per tile and block (nibbles + high-bit planes), and scales per block (q6: one per 16 weights).
 template <int FMT>
-constexpr int TILE_BLOCK_BYTES = FMT == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : FMT == FMT_Q6 ? 192 : 256;
+constexpr int TILE_BLOCK_BYTES = CODES<FMT> == FMT_Q4 ? 128 : FMT == FMT_Q5 ? 160 : FMT == FMT_Q6 ? 192 : 256;
 template <int FMT>
 constexpr int SCALE_PARTS = FMT == FMT_Q6 ? 2 : 1;
 
@@ -164,10 +175,12 @@ __attribute__((always_inline)) inline void prefetch_block(const uint8_t* w, cons
     const char* wb = reinterpret_cast<const char*>(w + static_cast<size_t>(b) * block_bytes);
     for (int q = 0; q < block_bytes; q += 64) _mm_prefetch(wb + pf + q, _MM_HINT_T1);
     for (int q = 0; q < block_bytes; q += 64) _mm_prefetch(wb + PF_L1 + q, _MM_HINT_T0);
-    if (b % 4 == 0) {
+    constexpr int shift = SCALE_SHIFT<FMT>;
+    if (b % (4 << shift) == 0) {  // a line holds 4 scale rows
+        const int g = b >> shift;
         for (int q = 0; q < parts; ++q)
-            _mm_prefetch(reinterpret_cast<const char*>(sc + b * parts * 8) + pf / 8 + 64 * q, _MM_HINT_T0);
-        if (FMT == FMT_Q4) _mm_prefetch(reinterpret_cast<const char*>(oc + b * 8) + pf / 8, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(sc + g * parts * 8) + (pf >> shift) / 8 + 64 * q, _MM_HINT_T0);
+        if (HAS_OFFSET<FMT>) _mm_prefetch(reinterpret_cast<const char*>(oc + g * 8) + (pf >> shift) / 8, _MM_HINT_T0);
     }
 }
 
@@ -270,7 +283,7 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
                 sum32[i] = sum_start8<FMT>(a, at0 + rs * i, part);
             }
             __m256i lo[chunks], hi[chunks];
-            unpack_codes<FMT>(load, part, lo, hi);
+            unpack_codes<CODES<FMT>>(load, part, lo, hi);
             if (FMT == FMT_Q8 && !SSD_VNNI)  // maddubs cannot take u = q + 128: back to signed codes
                 for (int cc = 0; cc < chunks; ++cc) {
                     lo[cc] = _mm256_xor_si256(lo[cc], _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -281,7 +294,7 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
 #pragma GCC unroll 4
                 for (int cc = 0; cc < chunks; ++cc) {
                     const int c = part * chunks + cc;
-                    const bool widen = FMT == FMT_Q4 ? c == 3 : FMT == FMT_Q5 ? c % 2 == 1 : true;
+                    const bool widen = CODES<FMT> == FMT_Q4 ? c == 3 : FMT == FMT_Q5 ? c % 2 == 1 : true;
                     int32_t x_lo, x_hi;  // activations 8c..8c+3 and 8c+4..8c+7, broadcast to every lane
                     memcpy(&x_lo, xb + QK * rs * i + 8 * c, 4);
                     memcpy(&x_hi, xb + QK * rs * i + 8 * c + 4, 4);
@@ -311,9 +324,10 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
 #if SSD_VNNI
             for (int i = 0; i < R; ++i) sum32[i] = _mm256_add_epi32(sum32[i], sum16[i]);
 #endif
-            const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * parts + part) * 8)));
+            const int g = b >> SCALE_SHIFT<FMT>;
+            const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (g * parts + part) * 8)));
             __m256 o8 = _mm256_setzero_ps();
-            if constexpr (FMT == FMT_Q4) o8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oc + b * 8)));
+            if constexpr (HAS_OFFSET<FMT>) o8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oc + g * 8)));
 #pragma GCC unroll 4
             for (int i = 0; i < R; ++i) {
                 const size_t at = at0 + rs * i;
@@ -324,7 +338,7 @@ __attribute__((noinline)) void tile_dot(const uint8_t* w, const uint16_t* sc, co
                     half[i] = _mm256_mul_ps(s8, sum);
                 else
                     acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a.dx[at]), _mm256_fmadd_ps(s8, sum, half[i]), acc[i]);
-                if constexpr (FMT == FMT_Q4) acc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(a.sx[at]), acc[i]);
+                if constexpr (HAS_OFFSET<FMT>) acc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(a.sx[at]), acc[i]);
             }
         }
     }
@@ -382,10 +396,11 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
 #pragma GCC unroll 2  // a compile-time part keeps q6's high-bit planes in registers
         for (int part = 0; part < parts; ++part) {
             __m512i lo[chunks], hi[chunks];
-            unpack_codes<FMT>(load, part, lo, hi);
-            const __m512 s16 = load_half2(sa + (b * parts + part) * 8, sb + (b * parts + part) * 8);
+            unpack_codes<CODES<FMT>>(load, part, lo, hi);
+            const int g = b >> SCALE_SHIFT<FMT>;
+            const __m512 s16 = load_half2(sa + (g * parts + part) * 8, sb + (g * parts + part) * 8);
             __m512 o16 = _mm512_setzero_ps();
-            if constexpr (FMT == FMT_Q4) o16 = load_half2(oa + b * 8, ob + b * 8);
+            if constexpr (HAS_OFFSET<FMT>) o16 = load_half2(oa + g * 8, ob + g * 8);
             // The pass's rows of block b, nbp blocks apart: computed from one pointer each (not per row,
             // which took ~40 % of the instructions of q6's 8-row loop, half of them stack spills).
             const size_t at0 = act_at(a, m0, b), rs = a.nbp;
@@ -414,7 +429,7 @@ __attribute__((noinline)) void tile2_dot(const uint8_t* wa, const uint8_t* wb, c
                     half[i] = _mm512_mul_ps(s16, sumf);
                 else
                     acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(dxb[rs * i]), _mm512_fmadd_ps(s16, sumf, half[i]), acc[i]);
-                if constexpr (FMT == FMT_Q4) acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(sxb[rs * i]), acc[i]);
+                if constexpr (HAS_OFFSET<FMT>) acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(sxb[rs * i]), acc[i]);
             }
         }
     }
@@ -451,8 +466,9 @@ void single_tiles(const uint8_t* w, const uint16_t* scale, const uint16_t* offse
     alignas(64) float part[RC * 8];
     for (; tile < t1; ++tile) {
         const uint8_t* wt = w + static_cast<size_t>(tile) * nb * block_bytes;
-        const uint16_t* st = scale + static_cast<size_t>(tile) * nb * parts * 8;
-        const uint16_t* ot = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
+        const int ng = nb >> SCALE_SHIFT<FMT>;  // scale rows per tile
+        const uint16_t* st = scale + static_cast<size_t>(tile) * ng * parts * 8;
+        const uint16_t* ot = HAS_OFFSET<FMT> ? offset + static_cast<size_t>(tile) * ng * 8 : nullptr;
         const int rows = N - 8 * tile < 8 ? N - 8 * tile : 8;
         for (int m0 = 0; m0 < M; m0 += RC) {
             // The first pass streams the weights from memory. 16 KiB ahead into L2 (then 2 KiB into L1,
@@ -478,12 +494,13 @@ struct TilePair {
     const uint16_t *sa, *sb, *oa, *ob;
     TilePair(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, int tile, int nb) {
         constexpr int block_bytes = TILE_BLOCK_BYTES<FMT>, parts = SCALE_PARTS<FMT>;
+        const int ng = nb >> SCALE_SHIFT<FMT>;  // scale rows per tile
         wa = w + static_cast<size_t>(tile) * nb * block_bytes;
-        sa = scale + static_cast<size_t>(tile) * nb * parts * 8;
-        oa = FMT == FMT_Q4 ? offset + static_cast<size_t>(tile) * nb * 8 : nullptr;
+        sa = scale + static_cast<size_t>(tile) * ng * parts * 8;
+        oa = HAS_OFFSET<FMT> ? offset + static_cast<size_t>(tile) * ng * 8 : nullptr;
         wb = wa + static_cast<size_t>(nb) * block_bytes;
-        sb = sa + static_cast<size_t>(nb) * parts * 8;
-        ob = FMT == FMT_Q4 ? oa + static_cast<size_t>(nb) * 8 : nullptr;
+        sb = sa + static_cast<size_t>(ng) * parts * 8;
+        ob = HAS_OFFSET<FMT> ? oa + static_cast<size_t>(ng) * 8 : nullptr;
     }
 };
 
@@ -574,7 +591,7 @@ __attribute__((noinline)) void amx_pair(const uint8_t* wa, const uint8_t* wb, co
 #pragma GCC unroll 2
             for (int part = 0; part < parts; ++part) {
                 __m512i lo[chunks], hi[chunks];
-                unpack_codes<FMT>(load, part, lo, hi);
+                unpack_codes<CODES<FMT>>(load, part, lo, hi);
                 for (int cc = 0; cc < chunks; ++cc) {
                     _mm512_store_si512(codes[j * parts + part] + 128 * cc, lo[cc]);
                     _mm512_store_si512(codes[j * parts + part] + 128 * cc + 64, hi[cc]);
@@ -610,9 +627,10 @@ __attribute__((noinline)) void amx_pair(const uint8_t* wa, const uint8_t* wb, co
 #pragma GCC unroll 2
             for (int part = 0; part < parts; ++part) {
                 const int32_t* sp = sums[j * parts + part];
-                const __m512 s16 = load_half2(sa + (b * parts + part) * 8, sb + (b * parts + part) * 8);
+                const int g = b >> SCALE_SHIFT<FMT>;
+                const __m512 s16 = load_half2(sa + (g * parts + part) * 8, sb + (g * parts + part) * 8);
                 __m512 o16 = _mm512_setzero_ps();
-                if constexpr (FMT == FMT_Q4) o16 = load_half2(oa + b * 8, ob + b * 8);
+                if constexpr (HAS_OFFSET<FMT>) o16 = load_half2(oa + g * 8, ob + g * 8);
                 // Unrolled over the most rows, so the accumulators stay in registers (a runtime count kept
                 // them in memory: 10 instructions per row and block instead of 5).
 #pragma GCC unroll 16
@@ -629,7 +647,7 @@ __attribute__((noinline)) void amx_pair(const uint8_t* wa, const uint8_t* wb, co
                         half[i] = _mm512_mul_ps(s16, sumf);
                     else
                         acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a.dx[at]), _mm512_fmadd_ps(s16, sumf, half[i]), acc[i]);
-                    if constexpr (FMT == FMT_Q4) acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(a.sx[at]), acc[i]);
+                    if constexpr (HAS_OFFSET<FMT>) acc[i] = _mm512_fmadd_ps(o16, _mm512_set1_ps(a.sx[at]), acc[i]);
                 }
             }
         }
@@ -687,7 +705,7 @@ void tile_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* off
     const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (t + 1) / nt);
 #if SSD_AMX
     // q6 (two multiplies per block) and q8 gained nothing (0.88-1.15x at 12-64 rows, 1 thread, session 34).
-    if ((FMT == FMT_Q4 || FMT == FMT_Q5) && g_amx_min_rows > 0 && M >= g_amx_min_rows && amx_permitted()) {
+    if ((CODES<FMT> == FMT_Q4 || FMT == FMT_Q5) && g_amx_min_rows > 0 && M >= g_amx_min_rows && amx_permitted()) {
         amx_tile_pairs<FMT>(w, scale, offset, a, M, N, K, y, y_bf16, ldy, t0, t1);
         return;
     }
@@ -931,6 +949,8 @@ void block_gemm_part(const uint8_t* w, const uint16_t* scale, const uint16_t* of
                      int N, int K, void* y, int bf16, int ldy, int t, int nt) {
     if (fmt == FMT_Q4)
         tile_gemm_part<FMT_Q4>(w, scale, offset, a, M, N, K, y, bf16, ldy, t, nt);
+    else if (fmt == FMT_Q4G)
+        tile_gemm_part<FMT_Q4G>(w, scale, offset, a, M, N, K, y, bf16, ldy, t, nt);
     else if (fmt == FMT_Q5)
         tile_gemm_part<FMT_Q5>(w, scale, nullptr, a, M, N, K, y, bf16, ldy, t, nt);
     else if (fmt == FMT_Q6)
@@ -1187,8 +1207,8 @@ int ssd_amx_min_rows(int min_rows) {
 }
 
 // y [M, N] = x [M, K] @ W^T: quantise x's rows (as ssd_quantize_rows), then the block GEMM.
-// x and y share one dtype (bf16 when bf16, else fp32). fmt (all in tiles): 1 q4 (with offsets), 2 q8, 3 q5,
-// 4 q6 (offset nullptr); see the top of this file.
+// x and y share one dtype (bf16 when bf16, else fp32). fmt (all in tiles): 1 q4 and 5 q4g64 (with offsets),
+// 2 q8, 3 q5, 4 q6 (offset nullptr); see the top of this file. q4g64 needs K a multiple of 64.
 void ssd_linear(const void* x, int M, int N, int K, const uint8_t* w, const uint16_t* scale,
                 const uint16_t* offset, int fmt, void* y, int bf16, int nthreads) {
     QActs a = acts_for(M, K, fmt);

@@ -1,11 +1,13 @@
-"""Quantised loading: `load_model(..., quantization="int8" | "int4" | "w4a8" | "w8a8" | "w4a8-all")`.
+"""Quantised loading: `load_model(..., quantization="int8" | "int4" | "w4a8" | "w8a8" | "w4a8-all" | "w4a8-g64")`.
 
 "w4a8" / "w8a8" follow the "int4" / "int8" rules below with the block-quantised layers of
 blockquant.py (int8 activations): Q4_K codes -> W4A8Linear, and with "w4a8" Q5_0 codes ->
 W5A8Linear (kept exactly: w = d * (q - 16)) and Q6_K codes -> W6A8Linear (w = d * sc * (q - 32),
 d * sc rounded to fp16; lm_head included); everything else -> W8A8Linear. "w4a8-all" keeps the Q4_K codes
 (lm_head's too) and rounds every other layer to nearest in q4 (W4A8Linear): fewer bits than the file has
-where it has more, the smallest model (a draft's: its output never changes what the target emits).
+where it has more (a draft's format: its output never changes what the target emits). "w4a8-g64" rounds
+every layer to nearest in q4 with a scale and offset per 64 weights (W4G64A8Linear), from the dequantised
+weights: ~10 % fewer bytes again, the default draft of a "w4a8" target.
 
 * "int8": every linear layer (lm_head included) becomes Int8Linear, rounded to nearest from the
   floating-point weights the loader produced.

@@ -3,6 +3,8 @@
 * `W4A8Linear`: w = scale * q + offset per block of 32 inputs, q in 0..15, fp16 scale and offset
   (5 bits per weight; a GGUF Q4_K sub-block keeps its codes, only d*sc and -dmin*m are rounded to
   fp16).
+* `W4G64A8Linear`: the same with one scale and offset per 64 inputs (4.5 bits per weight), rounded
+  to nearest: a draft's format, where bytes per forward count more than the last bit of fidelity.
 * `W8A8Linear`: w = scale * q per block of 32, q in -127..127, fp16 scale (8.5 bits per weight),
   stored as q + 128 in tiles.
 * `W5A8Linear`: w = scale * (q - 16) per block of 32, q in 0..31, fp16 scale: GGUF Q5_0 exactly,
@@ -10,7 +12,7 @@
 * `W6A8Linear`: w = scale * (q - 32) per 16 weights, q in 0..63, fp16 scale: GGUF Q6_K up to the
   fp16 rounding of d * sc, at 7 bits per weight.
 
-All four interleave 8 weight rows (tiles), so one multiply-add covers all of them.
+All five interleave 8 weight rows (tiles), so one multiply-add covers all of them.
 
 Activations are quantised per row and block of 32 to int8 (dx = absmax / 127) inside the kernel,
 as llama.cpp does for its Q4/Q8 dot products, so every block product is an exact integer sum. That
@@ -280,19 +282,22 @@ class W4A8Linear(_TiledLinear):
     def from_float(
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
     ) -> W4A8Linear:
-        """Round to nearest per block against the fp16 scale and offset as stored.
+        """Round to nearest per group of SUB weights against the fp16 scale and offset as stored.
 
         offset = min rounded down and scale = (max - offset) / 15 rounded up (in fp16), so that
-        [offset, offset + 15 * scale] covers the block and no code clamps: error <= scale / 2.
+        [offset, offset + 15 * scale] covers the group and no code clamps: error <= scale / 2.
         """
         act_dtype = act_dtype or weight.dtype
         weight = weight.detach()
         n, k = weight.shape
+        sub = cls.SUB
+        if k % sub:
+            raise ValueError(f"{cls.FMT}: in_features {k} is not a multiple of {sub}")
         codes = torch.empty(n, k, dtype=torch.uint8)
-        scale = torch.empty(n, k // QK, dtype=torch.float16)
-        offset = torch.empty(n, k // QK, dtype=torch.float16)
+        scale = torch.empty(n, k // sub, dtype=torch.float16)
+        offset = torch.empty(n, k // sub, dtype=torch.float16)
         for r in range(0, n, _ROWS):  # row blocks: fp32 temporaries stay in cache
-            g = weight[r : r + _ROWS].to(torch.float32, copy=True).view(-1, k // QK, QK)
+            g = weight[r : r + _ROWS].to(torch.float32, copy=True).view(-1, k // sub, sub)
             mn, mx = g.amin(dim=-1), g.amax(dim=-1)
             o = mn.half()
             o = _nudge_fp16(o, o.float() <= mn, up=False)
@@ -305,9 +310,30 @@ class W4A8Linear(_TiledLinear):
         return cls(codes, scale, offset, bias, act_dtype)
 
     def dequantize(self) -> torch.Tensor:
-        q = self.codes().float().view(self.out_features, -1, QK)
+        q = self.codes().float().view(self.out_features, -1, self.SUB)
         w = q * self.scale.float()[..., None] + self.offset.float()[..., None]
         return w.view(self.out_features, self.in_features)
+
+
+class W4G64A8Linear(W4A8Linear):
+    """q4 codes in W4A8Linear's tiles with one fp16 scale and offset per 64 weights: `scale_bits` and
+    `offset_bits` int16 [tiles, K/64, 8]. The kernel keeps its integer sums and float steps per block of
+    32 (each block of a group takes the group's scale and offset), so the output equals, bit for bit, a
+    W4A8Linear whose scales and offsets repeat per block (`as_q4`): row independence carries over."""
+
+    FMT = "q4g64"
+    SUB = 64
+
+    def _setup(self, n: int, k: int, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
+        if k % self.SUB:
+            raise ValueError(f"q4g64: in_features {k} is not a multiple of {self.SUB}")
+        super()._setup(n, k, bias, act_dtype)
+
+    def as_q4(self) -> W4A8Linear:
+        """The same weights as a W4A8Linear (every scale and offset given to both blocks of its group)."""
+        rep = lambda t: t.repeat_interleave(self.SUB // QK, dim=1)
+        act_dtype = self.bias.dtype if self.bias is not None else torch.bfloat16  # the bias's only use
+        return W4A8Linear(self.codes(), rep(self.scale), rep(self.offset), self.bias, act_dtype)
 
 
 class W5A8Linear(_TiledLinear):
@@ -419,10 +445,10 @@ def concat_block_linears(mods: list[_BlockLinear]) -> _BlockLinear | None:
     if isinstance(first, _TiledLinear) and all(m.out_features % first.TILE == 0 for m in mods[:-1]):
         # Every part but the last fills whole tiles: the packed tiles stack as they are (repacking the
         # 1.5B's fused projections from codes took ~2.8 s of its load).
-        more = {"offset_bits": cat("offset_bits")} if isinstance(first, W4A8Linear) else {}
+        more = {"offset_bits": cat("offset_bits")} if isinstance(first, W4A8Linear) else {}  # q4, q4g64
         return type(first).from_packed(sum(m.out_features for m in mods), first.in_features, cat("qweight"),
                                        cat("scale_bits"), bias, dtype or torch.bfloat16, **more)
     if isinstance(first, W4A8Linear):
         codes = torch.cat([m.codes() for m in mods])  # tiles would straddle parts: repack from codes
-        return W4A8Linear(codes, cat("scale"), cat("offset"), bias, dtype or torch.bfloat16)
+        return type(first)(codes, cat("scale"), cat("offset"), bias, dtype or torch.bfloat16)
     return type(first)(torch.cat([m.codes() for m in mods]), cat("scale"), bias, dtype or torch.bfloat16)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ssd.kernels import cpu as cpu_kernels
-from ssd.workers.models.blockquant import W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
+from ssd.workers.models.blockquant import W4A8Linear, W4G64A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
 from ssd.workers.models.dense import DenseLinear
 
 _REST = (("o", "self_attn", "o_proj"), ("gate_up", "mlp", "gate_up_proj"), ("down", "mlp", "down_proj"))
@@ -40,6 +40,8 @@ def _linear_kind(mod: nn.Module | None) -> int | None:
         return None
     if isinstance(mod, DenseLinear):
         return 0
+    if isinstance(mod, W4G64A8Linear):
+        return 5
     if isinstance(mod, W4A8Linear):
         return 1
     if isinstance(mod, W8A8Linear):
@@ -130,7 +132,7 @@ class FusedLayers:
             d.w, d.w_bf16 = mod.weight.data_ptr(), int(mod.weight.dtype == torch.bfloat16)
         else:
             d.w, d.scale = mod.qweight.data_ptr(), mod.scale_bits.data_ptr()
-            if kind == 1:
+            if isinstance(mod, W4A8Linear):  # q4, q4g64
                 d.offset = mod.offset_bits.data_ptr()
         d.bias = _ptr(mod.bias)
         return d
