@@ -53,7 +53,7 @@ def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], tem
     cores = sorted(os.sched_getaffinity(0))
     kw = placement_kwargs(placement, mode, cores)
     draft = None if mode in ("ar", "ngram") else args.draft
-    extra = {"quantization": args.quantization} if args.quantization else {}
+    extra = {"quantization": args.quantization}  # None (no option): unquantised, not the engine's "auto"
     if args.draft_quantization:
         extra["draft_quantization"] = None if args.draft_quantization == "none" else args.draft_quantization
     if args.draft_vocab:
@@ -141,7 +141,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target", default="qwen-coder-1.5b")
     ap.add_argument("--draft", default="qwen-coder-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--quantization", default=None, type=lambda v: None if v == "none" else v,
+                    help="the target's (default: none, unquantised; 'auto': the engine's default)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="the draft proposes only the first N token ids")
 
 

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sets:
         ap.error("no prompts: give --n-humaneval, --n-mtbench or --raw-humaneval")
     cores = sorted(os.sched_getaffinity(0))
-    extra = {"quantization": args.quantization} if args.quantization else {}
+    extra = {"quantization": args.quantization}  # None (no option): unquantised, not the engine's "auto"
     if args.draft_vocab:
         extra["draft_vocab"] = args.draft_vocab
     import ray

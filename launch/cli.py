@@ -100,8 +100,10 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                    help="run the workers as Ray actors (default: the engine's choice for the mode)")
     g.add_argument("--ray-channel", action=argparse.BooleanOptionalAction, default=None,
                    help="per-round calls to actors on this node over a Unix socket (default) or Ray's calls")
-    g.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="int8/int4: weight-only linears; w4a8/w8a8: + int8 activations (AVX2 kernel, fastest on CPU); "
+    g.add_argument("--quantization", choices=("auto", "none", *QUANTIZATIONS),
+                   help="default auto: a quantised GGUF target on CPU as its file is quantised (w4a8 for the "
+                        "qwen-coder pair), else none (unquantised); int8/int4: weight-only linears; w4a8/w8a8: "
+                        "+ int8 activations (AVX2 kernel, fastest on CPU); "
                         "w4a8-all: w4a8 with every layer in 4 bits, the output layer too; w4a8-g64: the same with "
                         "a scale per 64 weights, rounded to nearest (a draft's format)")
     g.add_argument("--draft-quantization", choices=("auto", "same", "none", *QUANTIZATIONS),
@@ -238,7 +240,7 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if v is not None:
             kw[key] = v
     if args.quantization:
-        kw["quantization"] = args.quantization
+        kw["quantization"] = None if args.quantization == "none" else args.quantization
     if args.draft_quantization:
         kw["draft_quantization"] = None if args.draft_quantization == "none" else args.draft_quantization
     if args.draft_vocab is not None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from ssd.workers.draft_worker import CANDIDATE_VOCABS
+from ssd.workers.loader.load import native_quantization
 from ssd.workers.models.dense import LINEAR_KERNELS
-from ssd.workers.models.quant import QUANT_MODES
+from ssd.workers.models.quant import BLOCK_MODES, QUANT_MODES
+
+log = logging.getLogger("ssd.config")
 
 MODES = ("ar", "sd", "ngram", "ssd", "auto")
 BACKUPS = ("auto", "neural", "ngram", "random")
@@ -22,8 +26,10 @@ class Config:
     device: str = "cpu"
     draft_device: str | None = None
     dtype: str = "bfloat16"
-    # None, "int8"/"int4" (weight-only) or "w4a8"/"w8a8"/"w4a8-all"/"w4a8-g64" (int8 activations, CPU)
-    quantization: str | None = None
+    # None, "int8"/"int4" (weight-only) or "w4a8"/"w8a8"/"w4a8-all"/"w4a8-g64" (int8 activations, CPU). "auto":
+    # a quantised GGUF target on CPU runs as its file is quantised (`native_quantization`: "w4a8" for the
+    # packaged Q4_K_M files, which keeps their 4-, 5- and 6-bit codes), anything else unquantised (None).
+    quantization: str | None = "auto"
     # The draft's own quantisation: any draft keeps the output lossless, so a cheaper draft (e.g. w4a8 under a
     # bf16 target) only changes the speed. "auto": "w4a8-g64" under a "w4a8" target (4 bits in every layer, the
     # output layer too, a scale per 64 weights: on CPU the draft's forwards share the memory path with the
@@ -120,8 +126,12 @@ class Config:
             raise ValueError(f"ar_steps must be an integer in 1..64, got {self.ar_steps!r}")
         if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):
             raise ValueError(f"unsupported dtype {self.dtype!r}; use bfloat16 or float32")
+        if self.quantization == "auto":
+            self.quantization = auto_quantization(self.target, self.device)
         if self.draft_quantization == "auto":
             self.draft_quantization = "w4a8-g64" if self.quantization == "w4a8" else self.quantization
+            if (self.draft_device or self.device) != "cpu" and self.draft_quantization in BLOCK_MODES:
+                self.draft_quantization = None  # the block kernels run on CPU only
         elif self.draft_quantization == "same":
             self.draft_quantization = self.quantization
         if self.draft_quantization not in QUANTIZATIONS:
@@ -140,3 +150,20 @@ class Config:
             raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; use one of {', '.join(LINEAR_KERNELS)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; use None or one of {', '.join(QUANT_MODES)}")
+
+
+def auto_quantization(target: Any, device: str) -> str | None:
+    """`quantization="auto"`: the target file's own block mode on CPU where the kernels run, else None."""
+    if device != "cpu" or not isinstance(target, str):
+        return None
+    mode = native_quantization(target)
+    if mode is None:
+        return None
+    from ssd.kernels import cpu as cpu_kernels
+
+    reason = cpu_kernels.unavailable_reason()
+    if reason is not None:
+        log.warning("quantization='auto': %s is quantised, but the CPU block kernels cannot run here (%s); "
+                    "running it unquantised", target, reason)
+        return None
+    return mode

@@ -31,11 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default="qwen-coder-0.5b")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--quantization", default=None, help="default: the engine's ('auto': w4a8 for the qwen-coder "
+                    "GGUFs on CPU); 'none': unquantised")
     ap.add_argument("--modes", default=",".join(MODES))
     args = ap.parse_args(argv)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    extra = {"quantization": args.quantization} if args.quantization else {}
+    extra = {"quantization": None if args.quantization == "none" else args.quantization} if args.quantization else {}
     results: dict[str, list[tuple[float, float]]] = {}
     first = True
     for mode in args.modes.split(","):

@@ -180,7 +180,7 @@ def test_greedy_sd_equals_ar_tiny(mode):
     with torch.no_grad():
         noise = torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
         draft.lm_head.weight.add_(0.15 * noise)
-    sd, st = run(mode="sd", draft=draft, k=4)
+    sd, st = run(mode="sd", draft=draft, k=4, draft_quantization="same")  # the target's rounding: near agreement
     assert 0.2 < st["acceptance_rate"] < 0.95, st
     assert sd == ar
 

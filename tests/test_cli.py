@@ -269,6 +269,8 @@ def test_quantization_flags():
     k = kw("--quantization", "w4a8", "--draft-quantization", "w4a8-all")
     assert (k["quantization"], k["draft_quantization"]) == ("w4a8", "w4a8-all")
     assert kw("--draft-quantization", "w4a8-g64")["draft_quantization"] == "w4a8-g64"
+    assert "quantization" not in kw() and kw("--quantization", "auto")["quantization"] == "auto"  # the engine's default
+    assert kw("--quantization", "none")["quantization"] is None
     assert kw("--draft-quantization", "none")["draft_quantization"] is None
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--draft-quantization", "int3"])

@@ -123,10 +123,25 @@ def test_default_layout():
     assert Config(target="t", draft="d", use_ray=False).use_ray is False
 
 
+def test_default_quantization_follows_the_target_file():
+    """quantization="auto" (the default): a quantised GGUF target on CPU runs in its own block mode (the packaged
+    Q4_K_M files: w4a8, so their draft in w4a8-g64); on CUDA, in-memory models and explicit settings as given."""
+    cpu = Config(target="qwen-coder-1.5b", draft="qwen-coder-0.5b")
+    assert (cpu.quantization, cpu.draft_quantization) == ("w4a8", "w4a8-g64")
+    gpu_draft = Config(target="qwen-coder-1.5b", draft="qwen-coder-0.5b", draft_device="cuda:0")
+    assert (gpu_draft.quantization, gpu_draft.draft_quantization) == ("w4a8", None)  # block kernels: CPU only
+    assert Config(target="qwen-coder-1.5b", device="cuda:0").quantization is None
+    assert Config(target="llama-70b").quantization is None  # a Hugging Face model: as stored
+    assert Config(target="t", draft="d").quantization is None
+    assert Config(target="qwen-coder-1.5b", quantization=None).quantization is None
+    assert Config(target="qwen-coder-1.5b", quantization="int8").quantization == "int8"
+
+
 def test_default_draft_quantization():
     """auto: a w4a8 target's draft in w4a8-g64 (fewest bytes), any other target's draft as the target."""
     assert Config(target="t", draft="d", quantization="w4a8").draft_quantization == "w4a8-g64"
-    assert Config(target="t", draft="d", quantization="w4a8", draft_quantization="w4a8-all").draft_quantization == "w4a8-all"
+    chosen = Config(target="t", draft="d", quantization="w4a8", draft_quantization="w4a8-all")
+    assert chosen.draft_quantization == "w4a8-all"
     assert Config(target="t", draft="d", quantization="w4a8", draft_quantization="same").draft_quantization == "w4a8"
     assert Config(target="t", draft="d", quantization="int8").draft_quantization == "int8"
     assert Config(target="t", draft="d").draft_quantization is None

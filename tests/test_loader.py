@@ -401,6 +401,24 @@ def test_gguf_roundtrip(tmp_path: Path, arch: str, bpe: Backend) -> None:
     assert lm.config.eos_token_ids == lm.tokenizer.eos_token_ids
 
 
+def test_native_quantization(tmp_path: Path) -> None:
+    """quantization="auto" reads a GGUF's tensor types: Q8_0 linears -> w8a8, float ones -> None (unquantised);
+    Hugging Face directories, missing files and other specs -> None; the packaged aliases -> w4a8."""
+    from ssd.workers.loader.load import native_quantization
+
+    hf = _hf_model("qwen2")
+    _write_gguf(tmp_path / "q8.gguf", "qwen2", hf, None)
+    _write_gguf(tmp_path / "f32.gguf", "qwen2", hf, None, quantize=False)
+    assert native_quantization(str(tmp_path / "q8.gguf")) == "w8a8"
+    assert native_quantization(str(tmp_path / "f32.gguf")) is None
+    hf.save_pretrained(tmp_path / "hf")
+    assert native_quantization(str(tmp_path / "hf")) is None
+    assert native_quantization(str(tmp_path / "missing.gguf")) is None
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
+    assert native_quantization(str(tmp_path / "junk.gguf")) is None  # loading it raises, not the Config
+    assert native_quantization("qwen-coder-1.5b") == "w4a8" and native_quantization("llama-70b") is None
+
+
 def test_gguf_cache_second_load(tmp_path: Path, bpe: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     hf = _hf_model("llama")
     path = tmp_path / "m.gguf"

@@ -35,6 +35,16 @@ def small() -> LoadedModel:
     return load_model("qwen-coder-0.5b", progress=False)
 
 
+@pytest.mark.parametrize("alias", ["qwen-coder-0.5b", "qwen-coder-1.5b"])
+def test_packaged_files_run_as_w4a8_by_default(alias: str) -> None:
+    """The packaged files are Q4_K_M: their headers say so (Q4_K / Q5_0 / Q6_K linears), as the aliases' table does,
+    so `quantization="auto"` (the engine's default on CPU) runs them in w4a8."""
+    from ssd.workers.loader.load import native_quantization
+
+    assert native_quantization(alias) == "w4a8"
+    assert native_quantization(resolve_alias(alias)) == "w4a8"  # read from the file's own header
+
+
 def test_small_config(small: LoadedModel) -> None:
     cfg = small.config
     assert cfg.arch == "qwen2"

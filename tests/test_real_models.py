@@ -32,7 +32,7 @@ def transformers_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("alias", ["qwen-coder-0.5b", "qwen-coder-1.5b"])
 def test_greedy_equals_transformers_fp32(alias):
-    llm = LLM(target=alias, mode="ar", dtype="float32", max_batch=2, max_len=512)
+    llm = LLM(target=alias, mode="ar", dtype="float32", quantization=None, max_batch=2, max_len=512)
     try:
         sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outs = llm.generate(PROMPTS, sp)

