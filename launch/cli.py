@@ -370,7 +370,10 @@ def _ranges(ids: list[int]) -> str:
 def banner(llm: Any, kw: dict[str, Any], url: str | None) -> None:
     stats = llm.stats()
     head = {"target": kw["target"], "draft": kw.get("draft"), "mode": stats.get("mode"), "k": stats.get("k"),
-            "max_batch": llm.config.max_batch, "max_len": llm.config.max_len, "dtype": llm.config.dtype}
+            "max_batch": llm.config.max_batch, "max_len": llm.config.max_len, "dtype": llm.config.dtype,
+            "quantization": llm.config.quantization}  # as resolved: "auto" picks the target file's own
+    if kw.get("draft"):
+        head["draft_quantization"] = llm.config.draft_quantization
     if url:
         head["url"] = url
     log.info("ssd ready", extra={"fields": head})

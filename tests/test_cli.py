@@ -202,6 +202,8 @@ def test_graceful_shutdown(models, sig, ray):
         logs = [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
         msgs = [m["msg"] for m in logs]
         assert "ssd ready" in msgs and "placement" in msgs and "stopped" in msgs
+        ready = next(m for m in logs if m["msg"] == "ssd ready")
+        assert ready["quantization"] is None and ready["draft_quantization"] is None  # tiny HF dirs: as stored
         placement = [m for m in logs if m["msg"] == "placement"]
         assert {p["worker"] for p in placement} == {"target", "draft"}
         assert {p["kind"] for p in placement} == {"RayHandle" if ray else "LocalHandle"}
