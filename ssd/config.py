@@ -128,9 +128,12 @@ class Config:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use bfloat16 or float32")
         if self.quantization == "auto":
             self.quantization = auto_quantization(self.target, self.device)
+        if self.quantization not in QUANTIZATIONS:  # before the draft's "auto" / "same" copy it
+            raise ValueError(f"unknown quantization {self.quantization!r}; use 'auto', None or one of "
+                             f"{', '.join(QUANT_MODES)}")
         if self.draft_quantization == "auto":
             self.draft_quantization = "w4a8-g64" if self.quantization == "w4a8" else self.quantization
-            if (self.draft_device or self.device) != "cpu" and self.draft_quantization in BLOCK_MODES:
+            if not _on_cpu(self.draft_device or self.device) and self.draft_quantization in BLOCK_MODES:
                 self.draft_quantization = None  # the block kernels run on CPU only
         elif self.draft_quantization == "same":
             self.draft_quantization = self.quantization
@@ -148,13 +151,11 @@ class Config:
             raise ValueError(f"draft_vocab must be a positive integer or None, got {self.draft_vocab!r}")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; use one of {', '.join(LINEAR_KERNELS)}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {self.quantization!r}; use None or one of {', '.join(QUANT_MODES)}")
 
 
 def auto_quantization(target: Any, device: str) -> str | None:
     """`quantization="auto"`: the target file's own block mode on CPU where the kernels run, else None."""
-    if device != "cpu" or not isinstance(target, str):
+    if not _on_cpu(device) or not isinstance(target, str):
         return None
     mode = native_quantization(target)
     if mode is None:
@@ -167,3 +168,7 @@ def auto_quantization(target: Any, device: str) -> str | None:
                     "running it unquantised", target, reason)
         return None
     return mode
+
+
+def _on_cpu(device: str) -> bool:
+    return str(device).split(":")[0] == "cpu"

@@ -135,6 +135,9 @@ def test_default_quantization_follows_the_target_file():
     assert Config(target="t", draft="d").quantization is None
     assert Config(target="qwen-coder-1.5b", quantization=None).quantization is None
     assert Config(target="qwen-coder-1.5b", quantization="int8").quantization == "int8"
+    assert Config(target="qwen-coder-1.5b", device="cpu:0").quantization == "w4a8"
+    with pytest.raises(ValueError, match="unknown quantization 'w3'"):
+        Config(target="t", draft="d", quantization="w3")
 
 
 def test_default_draft_quantization():
