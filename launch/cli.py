@@ -107,7 +107,8 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                         "w4a8-all: w4a8 with every layer in 4 bits, the output layer too; w4a8-g64: the same with "
                         "a scale per 64 weights, rounded to nearest (a draft's format)")
     g.add_argument("--draft-quantization", choices=("auto", "same", "none", *QUANTIZATIONS),
-                   help="the draft's quantisation (default auto: w4a8-g64 under a w4a8 target, else the target's; "
+                   help="the draft's quantisation (default auto: w4a8-g64 under a w4a8 target or for a quantised GGUF "
+                        "draft under an unquantised one, else the target's; "
                         "the output stays lossless)")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft proposes only the first N token ids (+ end-of-sequence): a cheaper draft step, "

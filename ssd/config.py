@@ -33,7 +33,8 @@ class Config:
     # The draft's own quantisation: any draft keeps the output lossless, so a cheaper draft (e.g. w4a8 under a
     # bf16 target) only changes the speed. "auto": "w4a8-g64" under a "w4a8" target (4 bits in every layer, the
     # output layer too, a scale per 64 weights: on CPU the draft's forwards share the memory path with the
-    # target's), else the target's; "same": the target's.
+    # target's) and for a quantised GGUF draft on CPU under an unquantised target, else the target's; "same":
+    # the target's.
     draft_quantization: str | None = "auto"
     # Restrict the draft's output layer to the first `draft_vocab` token ids (+ end-of-sequence): a cheaper
     # draft step, still lossless (verification uses the restricted q); None = the whole vocabulary.
@@ -132,8 +133,15 @@ class Config:
             raise ValueError(f"unknown quantization {self.quantization!r}; use 'auto', None or one of "
                              f"{', '.join(QUANT_MODES)}")
         if self.draft_quantization == "auto":
-            self.draft_quantization = "w4a8-g64" if self.quantization == "w4a8" else self.quantization
-            if not _on_cpu(self.draft_device or self.device) and self.draft_quantization in BLOCK_MODES:
+            draft_device = self.draft_device or self.device
+            # An unquantised target (e.g. quantization=None for its bf16 weights) with a quantised GGUF draft on
+            # CPU: the draft still runs in 4 bits, since no draft changes the output.
+            quantised_draft = self.quantization is None and auto_quantization(self.draft, draft_device) is not None
+            if self.quantization == "w4a8" or quantised_draft:
+                self.draft_quantization = "w4a8-g64"
+            else:
+                self.draft_quantization = self.quantization
+            if not _on_cpu(draft_device) and self.draft_quantization in BLOCK_MODES:
                 self.draft_quantization = None  # the block kernels run on CPU only
         elif self.draft_quantization == "same":
             self.draft_quantization = self.quantization

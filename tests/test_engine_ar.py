@@ -136,6 +136,11 @@ def test_default_quantization_follows_the_target_file():
     assert Config(target="qwen-coder-1.5b", quantization=None).quantization is None
     assert Config(target="qwen-coder-1.5b", quantization="int8").quantization == "int8"
     assert Config(target="qwen-coder-1.5b", device="cpu:0").quantization == "w4a8"
+    # an unquantised target keeps a packaged (quantised) draft in 4 bits on CPU; an in-memory draft follows the target
+    bf16 = Config(target="qwen-coder-1.5b", draft="qwen-coder-0.5b", quantization=None)
+    assert (bf16.quantization, bf16.draft_quantization) == (None, "w4a8-g64")
+    assert Config(target="t", draft="d", quantization=None).draft_quantization is None
+    assert Config(target="qwen-coder-1.5b", draft="qwen-coder-0.5b", quantization="int8").draft_quantization == "int8"
     with pytest.raises(ValueError, match="unknown quantization 'w3'"):
         Config(target="t", draft="d", quantization="w3")
 
