@@ -166,7 +166,7 @@ def resolve_alias(spec: str, cache_dir: str | None = None) -> str:
 _LOW_BIT_GGUF = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
 
 
-def native_quantization(spec: str, cache_dir: str | None = None) -> str | None:
+def native_quantization(spec: str) -> str | None:
     """The block mode that runs a model file as it is quantised: "w4a8" for a GGUF whose linear weights include
     2- to 6-bit blocks (the packaged qwen-coder files: Q4_K_M), "w8a8" for one with 8-bit blocks only, None for
     float files, Hugging Face directories and specs that name no readable local file (loading reports those).
