@@ -11,6 +11,11 @@ output; after a rejected token the draft continues on its own tokens, as in a li
 then prepares its candidates from those distributions exactly as DraftWorker.speculate does, and a round
 hits when (k, t*) is among them. The acceptance estimates both selections learn online (the quotas' a, the
 ranking's g) start from the engine's priors for every prompt set.
+
+Two ceilings come with them: `known k`, the hit rate if the draft knew how many tokens the target accepts and
+spent all B candidates on that k (the top B of q_k without x_{k+1}), and `top`, the share of rounds whose t*
+is among the RANK_TOP tokens kept of q_k at all. Ranking's gap to the first is the cost of not knowing k;
+the second bounds every selection over the kept tokens, whatever the budget.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from bench import as_fed, prompt_sets  # noqa: E402
 from ssd.fanout import FanoutPlanner  # noqa: E402
 from ssd.workers.draft_worker import DraftWorker  # noqa: E402
 from ssd.workers.ranking import AcceptanceByConfidence, Top, confidences, ranked_outcomes  # noqa: E402
+
+SELECTIONS = ("quota", "ranked", "known_k")
 
 
 class Replay:
@@ -104,10 +111,16 @@ def quota_candidates(x: list[int], tops: list[Top], fanout: list[int]) -> set[tu
     return cands
 
 
+def known_k_candidates(x: list[int], tops: list[Top], k: int, budget: int) -> set[tuple[int, int]]:
+    """The ceiling selection: all `budget` candidates on the true accepted length k (top of q_k without x_{k+1})."""
+    ids = [t for t in tops[k][0] if k >= len(x) or t != x[k]]
+    return {(k, t) for t in ids[:budget]}
+
+
 def replay_set(w: DraftWorker, pairs: list[tuple[list[int], list[int]]], K: int, budgets: list[int],
                context: bool = True, candidate_vocab: str = "draft") -> dict:
-    hits = {b: {"quota": 0, "ranked": 0} for b in budgets}
-    rounds = emitted = 0
+    hits = {b: dict.fromkeys(SELECTIONS, 0) for b in budgets}
+    rounds = emitted = in_top = 0
     planners = {b: FanoutPlanner(K=K, B=b) for b in budgets}
     accept = {b: AcceptanceByConfidence() for b in budgets}
     for seq_id, (prompt, out) in enumerate(pairs):
@@ -124,6 +137,8 @@ def replay_set(w: DraftWorker, pairs: list[tuple[list[int], list[int]]], K: int,
             # drafting ids (candidate_vocab)
             glue = tops if candidate_vocab == "full" else drafting
             ranked_tops = drafting[:K] + glue[K:]
+            if len(tops) == K + 1:
+                in_top += t_star in ranked_tops[k][0]
             for b in budgets:
                 if len(tops) == K + 1:
                     fo = planners[b].plan(seq_id, "primary")
@@ -131,13 +146,15 @@ def replay_set(w: DraftWorker, pairs: list[tuple[list[int], list[int]]], K: int,
                     planners[b].observe_hit(fo[k], hit)
                     hits[b]["quota"] += hit
                     hits[b]["ranked"] += (k, t_star) in ranked_outcomes(x, ranked_tops, b, accept[b].rate)
+                    hits[b]["known_k"] += (k, t_star) in known_k_candidates(x, ranked_tops, k, b)
                     accept[b].observe(confidences(x, ranked_tops), k)
                 planners[b].observe_round(seq_id, "primary", len(x), k)
             emitted += k + 1
             p += k + 1
         rp.close()
     rates = {str(b): {m: round(h / max(rounds, 1), 3) for m, h in hits[b].items()} for b in budgets}
-    return {"rounds": rounds, "tau": round(emitted / max(rounds, 1), 3), **rates}
+    return {"rounds": rounds, "tau": round(emitted / max(rounds, 1), 3), "top": round(in_top / max(rounds, 1), 3),
+            **rates}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompt_sets(argparse.Namespace(**src["args"]))
     ks, budgets = [int(v) for v in args.k.split(",")], [int(v) for v in args.budgets.split(",")]
     results: dict = {"args": vars(args), "sets": {}}
-    print("| set | K | rounds | tau | " + " | ".join(f"B={b} quota / ranked" for b in budgets) + " |")
-    print("|---|---|---|---|" + "---|" * len(budgets))
+    print("| set | K | rounds | tau | " + " | ".join(f"B={b} quota / ranked / known k" for b in budgets) + " | top |")
+    print("|---|---|---|---|" + "---|" * (len(budgets) + 1))
     for name, prompts in texts.items():
         outs = ar["prompts"][name]["token_ids"]
         pairs = [(w.tokenizer.encode(t), o) for t, o in zip(as_fed(w.tokenizer, name, prompts), outs, strict=True)]
@@ -171,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         for K in ks:
             r = replay_set(w, pairs, K, budgets, context=not args.no_context, candidate_vocab=args.candidate_vocab)
             results["sets"][name][str(K)] = r
-            cells = " | ".join(f"{r[str(b)]['quota']:.2f} / **{r[str(b)]['ranked']:.2f}**" for b in budgets)
-            print(f"| {name} | {K} | {r['rounds']} | {r['tau']} | {cells} |", flush=True)
+            cells = " | ".join(f"{r[str(b)]['quota']:.2f} / **{r[str(b)]['ranked']:.2f}** / {r[str(b)]['known_k']:.2f}"
+                               for b in budgets)
+            print(f"| {name} | {K} | {r['rounds']} | {r['tau']} | {cells} | {r['top']:.2f} |", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

@@ -6,6 +6,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 from ssd.handles import WorkerHandle
@@ -165,6 +166,14 @@ class Engine:
             "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
             "cache_hits_per_k": dict(sorted(st.hits_per_k.items())),
             "cache_misses_per_k": dict(sorted(st.misses_per_k.items())),
+            "cache_by_source": _hits_and_misses(st.by_source),
+            "cache_by_budget": _hits_and_misses(st.by_budget),
             "policy": dict(st.policy),
             "verify_price_error": {w: st.price_error[w] / n for w, n in st.priced.items()},
         }
+
+
+def _hits_and_misses(counts: Counter) -> dict:
+    """(key, hit) -> rounds as {key: {"hits": ..., "misses": ...}}, keys sorted."""
+    keys = sorted({key for key, _ in counts})
+    return {key: {"hits": counts[key, True], "misses": counts[key, False]} for key in keys}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from candidates import Replay, quota_candidates, replay_set  # noqa: E402
+from candidates import Replay, known_k_candidates, quota_candidates, replay_set  # noqa: E402
 
 from ssd.workers.draft_worker import DraftWorker  # noqa: E402
 from ssd.workers.messages import SamplingSpec  # noqa: E402
@@ -23,6 +23,13 @@ def test_quota_candidates_follow_the_worker_rule():
     tops = [([1, 2, 3], [0.5, 0.3, 0.2]), ([4, 5, 6], [0.6, 0.3, 0.1]), ([7, 8, 9], [0.7, 0.2, 0.1])]
     # F = (2, 0, 1): q_0's top two without x_1 = 1, none for k = 1, q_2's top one (k = K keeps x-free)
     assert quota_candidates([1, 4], tops, [2, 0, 1]) == {(0, 2), (0, 3), (2, 7)}
+
+
+def test_known_k_candidates_spend_the_budget_on_the_true_k():
+    tops = [([1, 2, 3], [0.5, 0.3, 0.2]), ([4, 5, 6], [0.6, 0.3, 0.1]), ([7, 8, 9], [0.7, 0.2, 0.1])]
+    assert known_k_candidates([1, 4], tops, 0, 2) == {(0, 2), (0, 3)}  # x_1 = 1 was rejected: not a candidate
+    assert known_k_candidates([1, 4], tops, 1, 1) == {(1, 5)}
+    assert known_k_candidates([1, 4], tops, 2, 2) == {(2, 7), (2, 8)}  # k = K: the bonus may be q_K's top
 
 
 def test_rounds_match_a_live_draft(models):
@@ -53,6 +60,8 @@ def test_replay_of_the_drafts_own_output_hits_with_either_selection(models):
     assert r["rounds"] >= 4
     assert r["4"]["quota"] == 1.0  # F_K > 0 at B = 4: the bonus is the draft's top token
     assert 0.0 <= r["1"]["ranked"] <= 1.0 and r["4"]["ranked"] > 0.0
+    # the draft's own output: every round accepts all K, and the bonus is q_K's top token
+    assert r["1"]["known_k"] == 1.0 and r["top"] == 1.0
 
 
 def test_a_restricted_replay_drafts_from_kept_ids_and_context(models):

@@ -16,6 +16,13 @@ def test_ssd_greedy_equals_ar(models, ar_outputs, backup, k):
         assert [o.token_ids for o in outs] == ar_outputs
         st = llm.stats()
         assert st["cache_hits_per_k"] or st["cache_misses_per_k"]
+        totals = (sum(st["cache_hits_per_k"].values()), sum(st["cache_misses_per_k"].values()))
+        for split in ("cache_by_source", "cache_by_budget"):  # the same rounds, split another way
+            assert tuple(sum(v[w] for v in st[split].values()) for w in ("hits", "misses")) == totals, st
+        # what the verified speculations came from: the cache, or this backup kind
+        assert set(st["cache_by_source"]) <= {"primary", "neural" if backup in ("neural", "auto") else "fast",
+                                              "fast" if backup == "auto" else "primary"}, st
+        assert all(isinstance(b, int) and b >= 1 for b in st["cache_by_budget"]), st
         wait = st["ssd_wait_s"]  # the SSD rounds' waits: a part of draft_s, split by cause
         assert set(wait) <= {"overrun", "backup", "other"} and all(v >= 0 for v in wait.values())
         assert 0 < sum(wait.values()) <= st["draft_s"] + 1e-9
@@ -111,6 +118,8 @@ def test_draft_equal_to_target_hits_every_round(models):
         # every outcome was predicted (k = K, t* = bonus): rounds 2.. came from the outcome cache
         assert m["cache_misses"] == 0 and m["cache_hits"] == n_rounds
         assert set(llm.stats()["cache_hits_per_k"]) == {k}
+        # the first draft is the draft's own too, so every verified speculation counts as primary
+        assert llm.stats()["cache_by_source"] == {"primary": {"hits": n_rounds, "misses": 0}}
         assert llm.stats()["ssd_wait_s"].get("backup", 0) == 0  # no miss, so no just-in-time draft
 
 

@@ -28,6 +28,10 @@ class RoundStats:
     policy: Counter = field(default_factory=Counter)
     hits_per_k: Counter = field(default_factory=Counter)
     misses_per_k: Counter = field(default_factory=Counter)
+    # SSD outcomes by what the verified speculation came from ("primary": a cache hit's draft, "neural" / "fast":
+    # a backup's) and by the budget B the draft spent on the next round's candidates: (kind, hit) -> rounds
+    by_source: Counter = field(default_factory=Counter)
+    by_budget: Counter = field(default_factory=Counter)
     # The policy's verification prices against the measured times: |predicted - measured| / measured
     # summed over verifications, and their count (own cores / borrowed cores apart).
     price_error: Counter = field(default_factory=Counter)

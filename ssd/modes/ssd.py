@@ -518,6 +518,8 @@ class SSDMode(DraftBackedMode):
             kind = "primary" if src == "primary" else "fast" if d.q_kind == "point" else "neural"
             self.cost.observe_hit(kind, o.num_accepted == len(d.tokens), r.hit)
             (self.stats.hits_per_k if r.hit else self.stats.misses_per_k)[o.num_accepted] += 1
+            self.stats.by_source[kind, r.hit] += 1
+            self.stats.by_budget[sum(req.fanout), r.hit] += 1
             m = s.metrics
             if r.hit:
                 hits += 1
