@@ -49,6 +49,12 @@ def as_fed(tok, name: str, texts: list[str]) -> list[str]:
     return [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
 
 
+def split_delta(before: dict, after: dict) -> dict:
+    """One run's share of an engine's cumulative {key: {"hits": h, "misses": m}} split (stats' cache_by_*)."""
+    delta = {k: {w: v[w] - before.get(k, {}).get(w, 0) for w in ("hits", "misses")} for k, v in after.items()}
+    return {k: v for k, v in delta.items() if v["hits"] or v["misses"]}
+
+
 def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], temperature: float, batch: int) -> dict:
     cores = sorted(os.sched_getaffinity(0))
     kw = placement_kwargs(placement, mode, cores)
@@ -85,6 +91,7 @@ def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], tem
             misses = {k: after["cache_misses_per_k"].get(k, 0) - before["cache_misses_per_k"].get(k, 0)
                       for k in after["cache_misses_per_k"]}
             nh, nm = sum(hits.values()), sum(misses.values())
+            split = {key: split_delta(before[key], after[key]) for key in ("cache_by_source", "cache_by_budget")}
             policy = {k: v - before["policy"].get(k, 0) for k, v in after["policy"].items()}
             rows[name] = {
                 "tokens": toks, "seconds": round(dt, 3), "tokens_per_s": round(toks / dt, 2),
@@ -93,7 +100,8 @@ def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], tem
                 "tau": round(toks / rounds, 3) if rounds else None,
                 "acceptance_rate": round(acc / drafted, 3) if drafted else None,
                 "cache_hit_rate": round(nh / (nh + nm), 3) if nh + nm else None,
-                "hits_per_k": hits, "misses_per_k": misses, "policy": policy, "k": after["k"],
+                "hits_per_k": hits, "misses_per_k": misses, "by_source": split["cache_by_source"],
+                "by_budget": split["cache_by_budget"], "policy": policy, "k": after["k"],
                 "token_ids": [list(o.token_ids) for o in outs],
             }
             print(f"  {mode:6s} placement={placement} T={temperature} b={batch} {name:13s} "
