@@ -291,6 +291,13 @@ class _EngineCollector:
         for k, v in (st.get("policy") or {}).items():
             pol.add_metric([str(k)], float(v))
         yield pol
+        cache = CounterMetricFamily("ssd_cache_outcomes", "SSD rounds by what the verified speculation came from "
+                                    "(primary, neural or fast backup) and whether the outcome cache held the next "
+                                    "round.", labels=["source", "result"])
+        for source, counts in (st.get("cache_by_source") or {}).items():
+            cache.add_metric([str(source), "hit"], float(counts["hits"]))
+            cache.add_metric([str(source), "miss"], float(counts["misses"]))
+        yield cache
         rounds = CounterMetricFamily("ssd_engine_rounds", "Decoding rounds run by the engine.")
         rounds.add_metric([], float(st.get("rounds") or 0))
         yield rounds

@@ -314,6 +314,7 @@ def test_metrics_endpoint(http):
     from prometheus_client.parser import text_string_to_metric_families
 
     http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+    assert http.post("/v1/completions", json={"prompt": "hello", "echo": True}).status_code == 400
     r = http.get("/metrics")
     assert r.status_code == 200
     fams = {f.name: f for f in text_string_to_metric_families(r.text)}
@@ -329,3 +330,22 @@ def test_metrics_endpoint(http):
     assert gen and gen[0] > 0
     assert [s.value for s in fams["ssd_tau"].samples][0] > 0
     assert any(s.labels.get("policy") == "sd" for s in fams["ssd_policy_choices"].samples)
+    assert "ssd_cache_outcomes" in fams  # SD rounds: the family, with no samples
+
+
+def test_metrics_split_ssd_outcomes_by_source():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ssd.launch.server import _EngineCollector
+
+    by_source = {"primary": {"hits": 7, "misses": 2}, "fast": {"hits": 0, "misses": 1}}
+    loop = SimpleNamespace(running=0, waiting=0, stats={"mode": "ssd", "k": 3, "cache_by_source": by_source})
+    reg = CollectorRegistry()
+    reg.register(_EngineCollector(loop, "m"))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    got = {(s.labels["source"], s.labels["result"]): s.value for s in fams["ssd_cache_outcomes"].samples
+           if s.name == "ssd_cache_outcomes_total"}
+    assert got == {("primary", "hit"): 7, ("primary", "miss"): 2, ("fast", "hit"): 0, ("fast", "miss"): 1}
