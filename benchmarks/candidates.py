@@ -112,9 +112,9 @@ def quota_candidates(x: list[int], tops: list[Top], fanout: list[int]) -> set[tu
 
 
 def known_k_candidates(x: list[int], tops: list[Top], k: int, budget: int) -> set[tuple[int, int]]:
-    """The ceiling selection: all `budget` candidates on the true accepted length k (top of q_k without x_{k+1})."""
-    ids = [t for t in tops[k][0] if k >= len(x) or t != x[k]]
-    return {(k, t) for t in ids[:budget]}
+    """The ceiling selection: all `budget` candidates on the true accepted length k, i.e. the quota rule with
+    F_k = budget and no other k."""
+    return quota_candidates(x, tops, [0] * k + [budget])
 
 
 def replay_set(w: DraftWorker, pairs: list[tuple[list[int], list[int]]], K: int, budgets: list[int],

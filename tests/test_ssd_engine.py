@@ -20,8 +20,8 @@ def test_ssd_greedy_equals_ar(models, ar_outputs, backup, k):
         for split in ("cache_by_source", "cache_by_budget"):  # the same rounds, split another way
             assert tuple(sum(v[w] for v in st[split].values()) for w in ("hits", "misses")) == totals, st
         # what the verified speculations came from: the cache, or this backup kind
-        assert set(st["cache_by_source"]) <= {"primary", "neural" if backup in ("neural", "auto") else "fast",
-                                              "fast" if backup == "auto" else "primary"}, st
+        backups = {"neural": {"neural"}, "ngram": {"fast"}, "random": {"fast"}, "auto": {"neural", "fast"}}[backup]
+        assert set(st["cache_by_source"]) <= {"primary"} | backups, st
         assert all(isinstance(b, int) and b >= 1 for b in st["cache_by_budget"]), st
         wait = st["ssd_wait_s"]  # the SSD rounds' waits: a part of draft_s, split by cause
         assert set(wait) <= {"overrun", "backup", "other"} and all(v >= 0 for v in wait.values())
