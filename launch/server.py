@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ssd.sampling_params import SamplingParams
-from ssd.sequence import Sequence, Status
+from ssd.sequence import Sequence, Status, stable_text_len
 
 log = logging.getLogger("ssd.server")
 
@@ -80,21 +80,6 @@ class Track:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
-
-
-def stable_text_len(text: str, stops: list[str]) -> int:
-    """How much of a running sequence's text is final: hold back a trailing partial UTF-8 character
-    (U+FFFD) and any suffix that could be the start of a stop string (it may yet be cut)."""
-    n = len(text)
-    while n and text[n - 1] == "\ufffd":
-        n -= 1
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, n), hold, -1):
-            if text[:n].endswith(s[:k]):
-                hold = k
-                break
-    return n - hold
 
 
 class EngineLoop:
@@ -241,6 +226,10 @@ class EngineLoop:
         text_mode = self.engine.tokenizer is not None
         for sid, t in list(self._live.items()):
             seq = t.seq
+            if seq.error is not None:  # e.g. its admission failed: an error, not a finished completion
+                del self._live[sid]
+                self._fail(t, f"request failed: {seq.error}")
+                continue
             fin = seq.finished
             text = seq.text
             upto = len(text) if fin else stable_text_len(text, seq.params.stop)
@@ -345,6 +334,22 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
+IDLE_CHECK_S = 1.0  # a request with no news for this long checks that its client is still there
+DISCONNECT_CHECK_S = 1.0  # and one receiving tokens, at most this often
+
+# OpenAI fields that would change the output, accepted only at their "off" values (None: absent).
+_UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "min_tokens": (None, 0),
+    "repetition_penalty": (None, 1, 1.0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
+}
+
+
 def _guess_param(message: str) -> str | None:
     first = message.split(" ", 1)[0]
     return first if first in _SAMPLING_FIELDS else None
@@ -357,10 +362,10 @@ def _is_int(x: Any) -> bool:
 def _sampling(body: dict, max_tokens_key: tuple[str, ...]) -> tuple[dict, bool]:
     """SamplingParams keyword arguments from an OpenAI body; second value: max_tokens was given."""
     n = body.get("n")
-    if n is not None and n != 1:
+    if n is not None and (not _is_int(n) or n != 1):
         raise APIError(400, "only n=1 is supported", param="n")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
+    if best_of is not None and (not _is_int(best_of) or best_of != 1):
         raise APIError(400, "best_of is not supported", param="best_of")
     for key in ("logprobs", "top_logprobs"):
         if body.get(key) not in (None, False, 0):
@@ -370,6 +375,12 @@ def _sampling(body: dict, max_tokens_key: tuple[str, ...]) -> tuple[dict, bool]:
     for key in ("presence_penalty", "frequency_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise APIError(400, f"{key} is not supported", param=key)
+    for key, off in _UNSUPPORTED_FIELDS.items():
+        if body.get(key) not in off:
+            raise APIError(400, f"{key} is not supported", param=key)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise APIError(400, "response_format is not supported (only {\"type\": \"text\"})", param="response_format")
     kw: dict[str, Any] = {}
     for key in ("temperature", "top_p"):
         v = body.get(key)
@@ -411,6 +422,21 @@ def _sampling(body: dict, max_tokens_key: tuple[str, ...]) -> tuple[dict, bool]:
             raise APIError(400, "ignore_eos must be a boolean", param="ignore_eos")
         kw["ignore_eos"] = body["ignore_eos"]
     return kw, given
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage), checked before any request is queued."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(400, f"stream must be a boolean, got {stream!r}", param="stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise APIError(400, f"stream_options must be an object, got {opts!r}", param="stream_options")
+    usage = (opts or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise APIError(400, f"stream_options.include_usage must be a boolean, got {usage!r}",
+                       param="stream_options")
+    return bool(stream), bool(usage)
 
 
 def _make_params(kw: dict) -> SamplingParams:
@@ -565,7 +591,7 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
     async def next_event(queue: asyncio.Queue, request: Request) -> tuple:
         while True:
             try:
-                return await asyncio.wait_for(queue.get(), timeout=1.0)
+                return await asyncio.wait_for(queue.get(), timeout=IDLE_CHECK_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     raise _ClientGone() from None
@@ -609,9 +635,15 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
                          request: Request, t0: float) -> bool:
         """Wait for every track to finish (non-streaming). False: the client left (all aborted)."""
         pending = len(tracks)
+        check = time.monotonic() + DISCONNECT_CHECK_S
         try:
             while pending:
                 ev = await next_event(queue, request)
+                # While tokens keep coming next_event never times out: check the client here too.
+                if time.monotonic() >= check:
+                    if await request.is_disconnected():
+                        raise _ClientGone()
+                    check = time.monotonic() + DISCONNECT_CHECK_S
                 if ev[0] == "done":
                     pending -= 1
                 elif ev[0] == "error":
@@ -712,7 +744,7 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
         kw, _ = _sampling(body, ("max_tokens",))
         kw.setdefault("max_tokens", 16)  # the OpenAI default for completions
         params = _make_params(kw)
-        stream = bool(body.get("stream"))
+        stream, include_usage = _stream_flags(body)
         seqs = [make_seq(p, params, "prompt") for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         tracks, queue = start_tracks(seqs)
@@ -728,7 +760,6 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
             } for t in tracks]
             return {**base, "choices": choices, "usage": usage(tracks), "ssd_metrics": seq_metrics(tracks)}
 
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         def render(ev: tuple) -> list[dict]:
             if ev[0] == "delta":
@@ -760,6 +791,7 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
         check_model(body)
         messages = _chat_messages(body)
         kw, given = _sampling(body, ("max_completion_tokens", "max_tokens"))
+        stream, include_usage = _stream_flags(body)
         tok = engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer, so chat is unavailable; use /v1/completions "
@@ -781,7 +813,7 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
         tracks, queue = start_tracks([seq])
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
 
-        if not body.get("stream"):
+        if not stream:
             if not await run_to_end(endpoint, rid, tracks, queue, request, t0):
                 return Response(status_code=499)
             finish(endpoint, tracks, rid, 200, t0)
@@ -790,7 +822,6 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
                 "finish_reason": seq.finish_reason, "token_ids": list(seq.output_ids),
             }], "usage": usage(tracks), "ssd_metrics": seq.metrics.as_dict()}
 
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         cbase = {**base, "object": "chat.completion.chunk"}
         started = [False]
 

@@ -121,8 +121,10 @@ class Config:
             raise ValueError(f"ray_channel must be True or False, got {self.ray_channel!r}")
         if not isinstance(self.autoconfig_cache, bool):
             raise ValueError(f"autoconfig_cache must be True or False, got {self.autoconfig_cache!r}")
-        if self.max_batch < 1:
-            raise ValueError("max_batch must be >= 1")
+        if not (isinstance(self.max_batch, int) and self.max_batch >= 1):
+            raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+        if not (isinstance(self.max_len, int) and self.max_len >= 2):
+            raise ValueError(f"max_len must be an integer >= 2 (tokens of context), got {self.max_len!r}")
         if not (isinstance(self.ar_steps, int) and 1 <= self.ar_steps <= 64):
             raise ValueError(f"ar_steps must be an integer in 1..64, got {self.ar_steps!r}")
         if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):

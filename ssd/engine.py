@@ -67,6 +67,8 @@ class Engine:
                 f"length {self.max_len - self.mode.k - 1} of this engine"
             )
         decode = self.tokenizer.decode if self.tokenizer is not None else None
+        if params.stop and decode is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
         return Sequence(next(self._ids), ids, params, self.eos_token_ids, decode,
                         prompt if isinstance(prompt, str) else None)
 
@@ -76,12 +78,12 @@ class Engine:
 
     def abort(self, seq: Sequence) -> None:
         with self.lock:
-            was_running = seq.status is Status.RUNNING
+            held = seq in self.scheduler.running  # admitted: the workers hold its state (finished or not)
             self.scheduler.remove(seq)
             if not seq.finished:
                 seq.status = Status.FINISHED
                 seq.finish_reason = "abort"
-            if was_running:
+            if held:
                 self._release(seq)
 
     # -- the loop ----------------------------------------------------------------------------

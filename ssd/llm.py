@@ -10,7 +10,7 @@ from typing import Any
 from ssd.config import Config
 from ssd.outputs import Output
 from ssd.sampling_params import SamplingParams
-from ssd.sequence import Sequence
+from ssd.sequence import Sequence, stable_text_len
 
 log = logging.getLogger("ssd")
 
@@ -46,8 +46,11 @@ class LLM:
         seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
         for s in seqs:
             self.engine.add(s)
-        while any(not s.finished for s in seqs):
-            self.engine.step()
+        try:
+            while any(not s.finished for s in seqs):
+                self.engine.step()
+        finally:  # a failed round (or Ctrl-C) must not leave this call's requests in the engine
+            self._abort_unfinished(seqs)
         failed = [s for s in seqs if s.error]
         if failed:
             raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].error}")
@@ -61,15 +64,23 @@ class LLM:
         try:
             while not seq.finished:
                 self.engine.step()
-                if len(seq.text) > sent and not seq.text.endswith("\ufffd"):
-                    yield seq.text[sent:]
-                    sent = len(seq.text)
+                # Hold back a partial character, and text that may yet turn out to start a stop string.
+                ready = len(seq.text) if seq.finished else stable_text_len(seq.text, seq.params.stop)
+                if ready > sent:
+                    yield seq.text[sent:ready]
+                    sent = ready
+            if seq.error:
+                raise RuntimeError(f"request failed: {seq.error}")
             if len(seq.text) > sent:
                 yield seq.text[sent:]
         finally:
-            if not seq.finished:
-                self.engine.abort(seq)
+            self._abort_unfinished([seq])
         self.last_stream_output = self._output(seq)
+
+    def _abort_unfinished(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            if not s.finished or s in self.engine.scheduler.running:
+                self.engine.abort(s)
 
     @staticmethod
     def _output(s: Sequence) -> Output:

@@ -99,39 +99,55 @@ class Sequence:
         return self.params.max_tokens - len(self.output_ids)
 
     def append(self, tokens: list[int]) -> list[int]:
-        """Add emitted tokens, stopping at eos / stop ids / stop strings / max_tokens. Returns what was kept."""
-        kept: list[int] = []
+        """Add emitted tokens, stopping at eos / stop ids / stop strings / max_tokens. Returns what was kept.
+
+        A round may emit several tokens; each stop condition ends the output at the token where one token
+        at a time would have ended it, so every mode returns the same tokens and text."""
+        start = len(self.output_ids)
+        stop_id = False
         for t in tokens:
             if self.remaining <= 0:
                 break
-            if t in self._stop_ids:
-                self.output_ids.append(t)  # like vLLM: the stop token id is kept, its text is not
-                kept.append(t)
-                self._finish("stop")
-                break
             self.output_ids.append(t)
-            kept.append(t)
+            if t in self._stop_ids:  # like vLLM: the stop token id is kept, its text is not
+                stop_id = True
+                break
+        kept = self.output_ids[start:]
         if kept and self.metrics.first_token_s is None:
             self.metrics.first_token_s = time.perf_counter()
         self._update_text()
-        if not self.finished and self.params.stop and self._decode is not None:
-            for s in self.params.stop:
-                idx = self.text.find(s)
-                if idx >= 0:
-                    self.text = self.text[:idx]
-                    self._finish("stop")
-                    break
-        if not self.finished and self.remaining <= 0:
+        cut = self._stop_string_cut(start)
+        if cut is not None:
+            n, self.text = cut
+            del self.output_ids[start + n:]
+            kept = kept[:n]
+            self._finish("stop")
+        elif stop_id:
+            self._finish("stop")
+        elif self.remaining <= 0:
             self._finish("length")
         return kept
 
+    def _stop_string_cut(self, start: int) -> tuple[int, str] | None:
+        """Where a stop string ends the output, if one appeared in the tokens after `start`: the number of
+        those tokens kept (through the one that completed it) and the text cut before it."""
+        if not self.params.stop or self._decode is None or _find_stop(self.text, self.params.stop) is None:
+            return None
+        for n in range(1, len(self.output_ids) - start + 1):  # the first token whose text completes one
+            text = self._text_of(self.output_ids[: start + n])
+            idx = _find_stop(text, self.params.stop)
+            if idx is not None:
+                return n, text[:idx]
+        raise AssertionError("a stop string in the whole text must appear in some prefix")
+
     def _update_text(self) -> None:
-        if self._decode is None:
-            return
-        ids = self.output_ids
+        if self._decode is not None:
+            self.text = self._text_of(self.output_ids)
+
+    def _text_of(self, ids: list[int]) -> str:
         if ids and ids[-1] in self._stop_ids:
             ids = ids[:-1]  # the stop token's text is not part of the output
-        self.text = self._decode(ids)
+        return self._decode(ids)
 
     def fail(self, message: str) -> None:
         self.error = message
@@ -141,3 +157,24 @@ class Sequence:
         self.status = Status.FINISHED
         self.finish_reason = reason
         self.metrics.finish_s = time.perf_counter()
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    """Where the earliest stop string starts in `text` (None: none does)."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def stable_text_len(text: str, stops: list[str]) -> int:
+    """How much of a running sequence's text is final: hold back a trailing partial UTF-8 character
+    (U+FFFD) and any suffix that could be the start of a stop string (it may yet be cut)."""
+    n = len(text)
+    while n and text[n - 1] == "\ufffd":
+        n -= 1
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, n), hold, -1):
+            if text[:n].endswith(s[:k]):
+                hold = k
+                break
+    return n - hold

@@ -183,6 +183,26 @@ BAD = [
     ("bad stop", "/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop"),
     ("stream bad temp", "/v1/completions", {"prompt": "x", "temperature": -1, "stream": True}, 400,
      "temperature"),
+    ("temperature NaN", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("temperature Infinity", "/v1/completions", b'{"prompt": "x", "temperature": Infinity}', 400, "temperature"),
+    ("n true", "/v1/completions", {"prompt": "x", "n": True}, 400, "n"),
+    ("stream string", "/v1/completions", {"prompt": "x", "stream": "false"}, 400, "stream"),
+    ("stream_options list", "/v1/completions", {"prompt": "x", "stream": True, "stream_options": [1]}, 400,
+     "stream_options"),
+    ("chat stream_options str", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "stream": True, "stream_options": "x"}, 400,
+     "stream_options"),
+    ("logit_bias", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("suffix", "/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
+    ("min_tokens", "/v1/completions", {"prompt": "x", "min_tokens": 3}, 400, "min_tokens"),
+    ("repetition_penalty", "/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, 400,
+     "repetition_penalty"),
+    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("response_format json", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("negative stop id", "/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
 ]
 
 
@@ -281,6 +301,79 @@ def test_client_disconnect_aborts_sequence(served):
             assert llm.engine.scheduler.running  # still generating when we hang up
     assert _idle(llm), "the engine kept the disconnected request"
     assert llm.engine.totals["emitted_tokens"] - before < 200
+
+
+def test_bad_request_queues_nothing(served, http):
+    """A request rejected after parsing (bad stream_options) leaves nothing running in the engine."""
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                                           "stream_options": [1]})
+    assert r.status_code == 400
+    assert _idle(served["llm"], timeout=0.5)
+
+
+def test_off_values_of_unsupported_fields_are_accepted(served, http):
+    exp = served["expected"]["hello world"]
+    r = http.post("/v1/completions", json={"prompt": "hello world", "max_tokens": MAX_TOKENS, "temperature": 0,
+                                           "logit_bias": {}, "suffix": "", "min_tokens": 0, "repetition_penalty": 1,
+                                           "n": 1, "stream": False, "stream_options": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == exp.text
+
+
+def test_tiny_temperature_is_greedy_and_huge_top_k_is_off(served, http):
+    exp = served["expected"]["hello world"]
+    for extra in ({"temperature": 1e-45}, {"temperature": 0, "top_k": 2**64}):
+        r = http.post("/v1/completions", json={"prompt": "hello world", "max_tokens": MAX_TOKENS, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == exp.text
+
+
+def test_non_streaming_client_disconnect_aborts_sequence(served, monkeypatch):
+    """A non-streaming request keeps receiving token events, so it must check its client between them too."""
+    import ssd.launch.server as server_mod
+
+    llm = served["llm"]
+    assert _idle(llm)
+    monkeypatch.setattr(server_mod, "DISCONNECT_CHECK_S", 0.05)
+    orig = llm.engine.mode.round
+
+    def slow_round(running):  # 200 tokens take seconds, with an event at least every IDLE_CHECK_S
+        time.sleep(0.03)
+        return orig(running)
+
+    monkeypatch.setattr(llm.engine.mode, "round", slow_round)
+    before = llm.engine.totals["emitted_tokens"]
+    body = json.dumps({"prompt": "def fib(n):", "max_tokens": 200, "temperature": 0, "ignore_eos": True}).encode()
+    port = int(served["base"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.time() + 10
+        while not llm.engine.scheduler.running:
+            assert time.time() < deadline, "the request never started"
+            time.sleep(0.01)
+    assert _idle(llm, timeout=2.0), "the engine kept the disconnected request"
+    assert llm.engine.totals["emitted_tokens"] - before < 200
+
+
+def test_failed_admission_is_a_500(served, http):
+    engine = served["llm"].engine
+    orig = engine._admit
+
+    def admit(seq):
+        if seq.prompt_ids[0] == 7:
+            raise RuntimeError("injected admission failure")
+        return orig(seq)
+
+    engine._admit = admit
+    try:
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 4, "stream": stream})
+            assert r.status_code == 500, r.text
+            assert "injected admission failure" in r.json()["error"]["message"]
+    finally:
+        del engine._admit
+    assert _idle(served["llm"])
 
 
 def test_engine_error_fails_only_that_request(served, http):
