@@ -179,6 +179,10 @@ def _assemble(
     draft_borrow = draft is not None and bool(draft.call("info").result().get("borrow_threads"))
     mode = make_mode(cfg, target, draft, info["vocab_size"], borrow=bool(info.get("borrow_threads")),
                      draft_borrow=draft_borrow)
+    trained = info.get("max_position_embeddings")
+    if trained is not None and cfg.max_len > trained:
+        log.warning("max_len %d exceeds the target's max_position_embeddings %d: requests may run to positions "
+                    "the model was not trained for", cfg.max_len, trained)
     eos = list(info["eos_token_ids"])
     if tokenizer is not None:
         eos = sorted(set(eos) | set(tokenizer.eos_token_ids))

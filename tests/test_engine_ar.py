@@ -193,3 +193,12 @@ def test_several_tokens_per_call_equal_one_per_call(sampled):
 def test_ar_steps_is_checked():
     with pytest.raises(ValueError, match="ar_steps"):
         LLM(target=random_model(), mode="ar", ar_steps=0)
+
+
+def test_context_beyond_the_trained_positions_is_warned(caplog):
+    model = random_model(vocab=32)  # max_position_embeddings 512
+    with caplog.at_level("WARNING", logger="ssd"):
+        LLM(target=model, mode="ar", dtype="float32", max_len=512).shutdown()
+        assert "max_position_embeddings" not in caplog.text
+        LLM(target=model, mode="ar", dtype="float32", max_len=600).shutdown()
+    assert "max_len 600 exceeds the target's max_position_embeddings 512" in caplog.text

@@ -147,6 +147,7 @@ class ModelWorker:
             "vocab_size": cfg.vocab_size,
             "eos_token_ids": list(cfg.eos_token_ids),
             "max_len": self.runner.max_len,
+            "max_position_embeddings": cfg.max_position_embeddings,
             "arch": cfg.arch,
             "num_threads": torch.get_num_threads(),
             "borrow_threads": 0 if self.loan is None else self.loan.threads,
