@@ -16,10 +16,11 @@ Tree (one sequence; SpecInfer / EAGLE recursive rejection sampling): ``verify_tr
 
 Shared conventions
 ------------------
-* Randomness is passed in as uniforms in [0, 1) (from per-request seeded generators).
-* The acceptance test is ``u * q(x) < p(x)`` evaluated in float64. For float32 inputs the product of
-  two float32 numbers is exact in float64, so this is exactly the real-number test u < p(x) / q(x):
-  p(x) >= q(x) always accepts, q(x) == 0 < p(x) always accepts, p(x) == 0 never accepts.
+* Randomness is passed in as uniforms in [0, 1) (from per-request seeded generators, drawn in float64:
+  float32 draws lie on a 2^-24 grid, which would bias every probability by up to that much).
+* The acceptance test is ``u * q(x) < p(x)`` evaluated in float64: the real-number test u < p(x) / q(x)
+  up to one float64 rounding of the product (relative 2^-53). q(x) == 0 < p(x) always accepts, p(x) == 0
+  never accepts, and p(x) >= q(x) accepts unless u lies within 2^-53 of 1.
 * ``q_draft is None`` means a point-mass drafter (q = delta(x_i), e.g. n-gram / prompt lookup /
   random tokens): accept with probability p_i(x_i); residual = p_i with x_i zeroed. A q row that is an
   exact one-hot gives the identical result through the general formula.

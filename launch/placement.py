@@ -126,10 +126,17 @@ def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
         return Plan(targets[0], draft, bundles, cfg.extra.get("placement_strategy", "STRICT_PACK"), targets)
 
     cores = list(cores) or [0]
+    if pin:
+        cfg.check_cores_exist(cores)
     remote_draft = has_draft and bool(draft_res)
     if has_draft and not remote_draft:
         t_cores = cfg.target_cores or (cores[:-1] if len(cores) > 1 else cores)
         d_cores = cfg.draft_cores or cores[-1:]
+        # One side's cores given: the other takes the rest (or shares them when none are left).
+        if cfg.target_cores and not cfg.draft_cores:
+            d_cores = [c for c in cores if c not in cfg.target_cores] or list(cfg.target_cores)
+        elif cfg.draft_cores and not cfg.target_cores:
+            t_cores = [c for c in cores if c not in cfg.draft_cores] or list(cfg.draft_cores)
     else:
         t_cores, d_cores = cfg.target_cores or cores, cfg.draft_cores
     # Two actors on one core: reserve half a CPU each so both fit.

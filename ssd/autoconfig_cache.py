@@ -45,20 +45,30 @@ def cache_dir() -> Path | None:
 
 
 def machine() -> dict[str, str]:
-    """The CPU and the kernels' sources: a different CPU or kernel build prices forwards differently."""
-    cpu = platform.processor()
+    """The CPU and the kernels' sources and build: a different CPU or kernel build prices forwards differently.
+    A VM's `model name` can be as generic as "AMD EPYC", so the family, model and flags count too."""
+    cpu = {"name": platform.processor()}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model", "flags") and key not in cpu:
+                cpu[key] = value.strip()
+            elif not line.strip() and len(cpu) > 1:  # the first processor's block is enough
                 break
     except OSError:
         pass
+    flags = cpu.pop("flags", "")
+    described = " / ".join(cpu[k] for k in ("model name", "cpu family", "model") if k in cpu) or cpu["name"]
     digest = hashlib.sha256()
     for f in sorted(_KERNEL_SOURCES.glob("*")):
         if f.suffix in (".cpp", ".h", ".py"):
             digest.update(f.name.encode() + f.read_bytes())
-    return {"cpu": cpu, "cpus": str(os.cpu_count()), "kernels": digest.hexdigest()[:16]}
+    # the environment that picks the compiled library (kernels/cpu): instruction set and compiler
+    for var in ("SSD_CPU_ISA", "CXX"):
+        digest.update(f"{var}={os.environ.get(var, '')}".encode())
+    return {"cpu": described, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+            "cpus": str(os.cpu_count()), "kernels": digest.hexdigest()[:16]}
 
 
 def model_identity(spec: Any) -> dict[str, Any] | None:
@@ -118,7 +128,7 @@ def _load(path: Path) -> tuple[AutoConfig, dict[str, float]] | None:
             if isinstance(value, dict):
                 fields[name] = {int(n): float(t) for n, t in value.items()}
         return AutoConfig(**fields), {k: float(v) for k, v in entry["check"].items()}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable, or JSON of another shape
         return None
 
 

@@ -81,12 +81,15 @@ def make_mode(
         return NgramMode(target, k=k, max_n=cfg.ngram_max)
     assert draft is not None
     if cfg.mode == "sd":
-        return SDMode(target, draft, k=k, tuner=tuner)
+        sd = SDMode(target, draft, k=k, tuner=tuner)
+        sd.draft_timeout_s = cfg.draft_timeout_s
+        return sd
     mode = SSDMode(
         target, draft, k, make_fanout_planner(cfg, k), backup=cfg.backup,
         allowed=policy_options(cfg.mode, cfg.backup), vocab_size=vocab_size, ngram_max=cfg.ngram_max,
         tuner=ssd_tuner, borrow=borrow, draft_borrow=draft_borrow, gate=cfg.draft_gate and ac is not None,
     )
+    mode.draft_timeout_s = cfg.draft_timeout_s
     if ac is not None:  # the policy starts from this machine's latencies
         spec = spec_time(ac.t_chain, ac.t_draft, ac.k, ac.budget)
         draft_lend = ac.draft_borrow_share or 1.0  # just-in-time drafts run on borrowed cores where they can
@@ -143,6 +146,8 @@ def _local_workers(cfg: Config) -> tuple[WorkerHandle, WorkerHandle | None, dict
     from ssd.workers.draft_worker import DraftWorker
     from ssd.workers.target_worker import TargetWorker
 
+    cfg.check_cores_exist(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                          list(range(os.cpu_count() or 1)))
     max_slots = cfg.max_batch
     target_w = TargetWorker(
         cfg.target, dtype=cfg.dtype, device=cfg.device, max_slots=max_slots, max_len=cfg.max_len,

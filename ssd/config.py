@@ -15,6 +15,7 @@ log = logging.getLogger("ssd.config")
 
 MODES = ("ar", "sd", "ngram", "ssd", "auto")
 BACKUPS = ("auto", "neural", "ngram", "random")
+FANOUT_KINDS = ("geometric", "uniform")
 QUANTIZATIONS = (None, *QUANT_MODES)
 
 
@@ -66,6 +67,9 @@ class Config:
     # once the draft's confidence says another forward is worth less than its time (DraftWorker._worth).
     draft_gate: bool = True
     backup: str = "auto"
+    # A draft call still unanswered after this many seconds counts as a hung draft: rounds go on without it
+    # (exact either way) while a fresh draft actor replaces it. None waits forever.
+    draft_timeout_s: float | None = 60.0
     max_batch: int = 8
     max_len: int = 2048
     ngram_max: int = 4
@@ -102,8 +106,22 @@ class Config:
             raise ValueError(f"mode {self.mode!r} needs a draft model (draft=...)")
         if self.backup not in BACKUPS:
             raise ValueError(f"unknown backup {self.backup!r}; choose from {', '.join(BACKUPS)}")
-        if self.k is not None and not (isinstance(self.k, int) and 1 <= self.k <= 32):
+        if self.k is not None and not (_is_int(self.k) and 1 <= self.k <= 32):
             raise ValueError(f"k must be an integer in 1..32, got {self.k!r}")
+        f = self.fanout
+        if isinstance(f, list):
+            if not f or not all(_is_int(x) and x >= 0 for x in f) or sum(f) < 1:
+                raise ValueError(f"fanout as a list gives F_0..F_K: integers >= 0 with a positive sum, got {f!r}")
+            if self.k is not None and len(f) != self.k + 1:
+                raise ValueError(f"fanout lists F_0..F_K: {self.k + 1} entries for k={self.k}, got {len(f)}")
+            if self.k is None:
+                self.k = len(f) - 1  # the list fixes K
+        elif f is not None and not (_is_int(f) and f >= 1):
+            raise ValueError(f"fanout must be a budget B >= 1, a list F_0..F_K or None, got {f!r}")
+        if self.fanout_kind not in FANOUT_KINDS:
+            raise ValueError(f"fanout_kind must be one of {', '.join(FANOUT_KINDS)}, got {self.fanout_kind!r}")
+        if not (_is_int(self.ngram_max) and self.ngram_max >= 1):
+            raise ValueError(f"ngram_max must be an integer >= 1, got {self.ngram_max!r}")
         if not 0.0 <= self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
         if not (isinstance(self.draft_lookahead, int) and 0 <= self.draft_lookahead <= 16):
@@ -111,8 +129,9 @@ class Config:
         if self.use_ray is None:
             on_cpu = self.device == "cpu" and (self.draft_device or "cpu") == "cpu"
             speculates_ahead = self.draft is not None and self.mode in ("ssd", "auto")
-            self.use_ray = bool(self.ray_address) or (on_cpu and speculates_ahead)
-            self.ray_by_default = self.use_ray
+            tensor_parallel = self.extra.get("target_tp", 1) != 1  # its ranks are Ray actors
+            self.use_ray = bool(self.ray_address) or tensor_parallel or (on_cpu and speculates_ahead)
+            self.ray_by_default = self.use_ray and not tensor_parallel
         if not isinstance(self.use_ray, bool):
             raise ValueError(f"use_ray must be True, False or None, got {self.use_ray!r}")
         if self.ray_address and not self.use_ray:
@@ -121,6 +140,11 @@ class Config:
             raise ValueError(f"ray_channel must be True or False, got {self.ray_channel!r}")
         if not isinstance(self.autoconfig_cache, bool):
             raise ValueError(f"autoconfig_cache must be True or False, got {self.autoconfig_cache!r}")
+        t = self.draft_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"draft_timeout_s must be a number of seconds > 0 or None, got {t!r}")
+        for name in ("target_cores", "draft_cores"):
+            self._check_cores(name)
         if not (isinstance(self.max_batch, int) and self.max_batch >= 1):
             raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         if not (isinstance(self.max_len, int) and self.max_len >= 2):
@@ -161,6 +185,26 @@ class Config:
             raise ValueError(f"draft_vocab must be a positive integer or None, got {self.draft_vocab!r}")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; use one of {', '.join(LINEAR_KERNELS)}")
+
+
+    def _check_cores(self, name: str) -> None:
+        cores = getattr(self, name)
+        if cores is None:
+            return
+        if not isinstance(cores, (list, tuple)) or not cores or not all(_is_int(c) and c >= 0 for c in cores):
+            raise ValueError(f"{name} must be a non-empty list of core ids, got {cores!r}")
+        setattr(self, name, list(cores))
+
+    def check_cores_exist(self, available: list[int]) -> None:
+        """Cores named for workers on this machine must be among `available` (this process's)."""
+        for name in ("target_cores", "draft_cores"):
+            missing = sorted(set(getattr(self, name) or ()) - set(available))
+            if missing:
+                raise ValueError(f"{name}: cores {missing} are not among this process's cores {sorted(available)}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def auto_quantization(target: Any, device: str) -> str | None:

@@ -67,11 +67,20 @@ def test_other_settings_are_other_entries_and_bad_entries_are_measured_over(cach
     other = CountingHandle(0.03, 0.05)
     start({"models": "b"}, other, CountingHandle(0.004, 0.02))
     assert measured(other) and len(list(cache.glob("*.json"))) == 2
-    for f in cache.glob("*.json"):
-        f.write_text("{not json")
-    broken = CountingHandle(0.03, 0.05)
-    ac = start({"models": "a"}, broken, CountingHandle(0.004, 0.02))
-    assert measured(broken) and ac.k > 0
+    for bad in ("{not json", "[]", "null", '{"format": %d, "config": null, "check": null}' % acc.FORMAT):
+        for f in cache.glob("*.json"):
+            f.write_text(bad)  # truncated, or JSON of another shape
+        broken = CountingHandle(0.03, 0.05)
+        ac = start({"models": "a"}, broken, CountingHandle(0.004, 0.02))
+        assert measured(broken) and ac.k > 0
+
+
+def test_the_machine_key_sees_the_kernel_build(monkeypatch):
+    monkeypatch.delenv("SSD_CPU_ISA", raising=False)
+    base = acc.machine()
+    monkeypatch.setenv("SSD_CPU_ISA", "avx2")
+    assert acc.machine()["kernels"] != base["kernels"]  # another compiled library prices forwards differently
+    assert {"cpu", "cpu_flags", "cpus"} <= set(base)
 
 
 def test_no_key_or_cache_off_always_measures(cache, monkeypatch):

@@ -202,3 +202,29 @@ def test_context_beyond_the_trained_positions_is_warned(caplog):
         assert "max_position_embeddings" not in caplog.text
         LLM(target=model, mode="ar", dtype="float32", max_len=600).shutdown()
     assert "max_len 600 exceeds the target's max_position_embeddings 512" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"fanout": -5, "k": 4}, "fanout must be a budget"),
+    ({"fanout": 2.5}, "fanout must be a budget"),
+    ({"fanout": (3, 3, 3)}, "fanout must be a budget"),
+    ({"fanout": [2, -1, 2]}, "integers >= 0"),
+    ({"fanout": [0, 0]}, "positive sum"),
+    ({"fanout": [1, 1, 1], "k": 4}, "5 entries for k=4"),
+    ({"fanout_kind": "Uniform"}, "fanout_kind"),
+    ({"ngram_max": 0}, "ngram_max"),
+    ({"k": True}, "k must be"),
+])
+def test_speculation_options_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Config(target="t", draft="d", mode="ssd", **kwargs)
+
+
+def test_an_explicit_fanout_list_fixes_k_and_tensor_parallel_implies_ray():
+    assert Config(target="t", draft="d", mode="ssd", fanout=[2, 1, 1]).k == 2
+    tp = Config(target="t", mode="sd", draft="d", extra={"target_tp": 2})
+    assert tp.use_ray is True and not tp.ray_by_default  # its ranks are actors: no in-process fallback
+    with pytest.raises(ValueError, match="needs use_ray"):
+        from ssd.build import build_engine
+
+        build_engine(Config(target="t", mode="ar", use_ray=False, extra={"target_tp": 2}))

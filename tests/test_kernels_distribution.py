@@ -266,3 +266,19 @@ def test_tree_negative_control_iid_rule_on_topk_siblings_fails():
     """Deterministic distinct siblings verified with the i.i.d. rule (the documented misuse) is biased."""
     t1, _, p1, _ = simulate_tree("topk", PARAMS[0], 400, n=1_500, use_q_for_topk=True)
     assert chi2_pvalue(t1, p1) < FAIL
+
+
+def test_request_uniforms_are_float64():
+    """float32 uniforms lie on a 2^-24 grid: inverse-CDF sampling with them rounds every probability to a
+    multiple of 2^-24 (in a 152k vocabulary ~3.6e-4 of the mass could never be drawn), and the draft would
+    sample from a rounded q rather than the q it ships. Every worker draw goes through `uniforms`."""
+    from pathlib import Path
+
+    from ssd.workers.seq_state import make_generator, uniforms
+
+    u = uniforms(make_generator(7, 0), 4096)
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    assert bool((u * 2**24 != torch.floor(u * 2**24)).any())  # not on the float32 grid
+    workers = Path(__file__).resolve().parents[1] / "workers"
+    drawing = sorted(p.name for p in workers.rglob("*.py") if "torch.rand(" in p.read_text())
+    assert drawing == ["seq_state.py"]

@@ -222,6 +222,13 @@ def test_tokenizer_from_dir(tmp_path: Path, bpe: Backend) -> None:
     # the rendered prompt is identical to transformers' rendering of the same template
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=CHAT_TEMPLATE)
     assert rendered == hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    # a template that tests `tools is not none` (unguarded by `is defined`) sees None, as in transformers
+    tools_tpl = ("{% if tools is not none %}[TOOLS]{{ tools | tojson }}{% endif %}{% for m in messages %}"
+                 "<{{ m.role }}>{{ m.content }}{% endfor %}{% if documents is not none %}[DOCS]{% endif %}")
+    tok.chat_template = hf_tok.chat_template = tools_tpl
+    assert tok.apply_chat_template(msgs) == hf_tok.apply_chat_template(msgs, tokenize=False,
+                                                                       add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs) == "<system>be brief<user>hi"
 
 
 def test_tokenizer_bos_and_template_errors(tmp_path: Path, bpe: Backend) -> None:
@@ -599,3 +606,28 @@ def test_aliases_table() -> None:
     assert ALIASES["qwen3-32b"] == "Qwen/Qwen3-32B" and ALIASES["qwen3-0.6b"] == "Qwen/Qwen3-0.6B"
     assert {"qwen-coder-1.5b", "qwen-coder-0.5b"} <= set(ALIASES)
     assert os.fspath(resolve_alias(__file__)) == __file__  # an existing path passes through
+
+
+def test_quantised_codes_cache_failures_only_cost_time(tmp_path):
+    """The quantised-codes cache, as the dequantised weights' one: an unwritable directory or a truncated
+    entry gives a warning and the same model, never a failed load."""
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, "qwen2", _hf_model("qwen2"), None)
+    good = tmp_path / "cache"
+    ref = load_model(str(path), dtype=torch.float32, cache_dir=str(good), progress=False, quantization="int4")
+
+    def same(lm) -> bool:
+        a, b = ref.model.state_dict(), lm.model.state_dict()
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    (tmp_path / "file").write_text("x")
+    with pytest.warns(UserWarning, match="could not write the quantised-codes cache"):
+        lm = load_model(str(path), dtype=torch.float32, cache_dir=str(tmp_path / "file" / "c"), progress=False,
+                        quantization="int4")
+    assert same(lm)
+    meta = next(good.glob("*-codes.json"))
+    meta.write_text('{"format": 3, "ty')  # a writer killed mid-file
+    with pytest.warns(UserWarning, match="unreadable quantised-codes cache entry"):
+        lm = load_model(str(path), dtype=torch.float32, cache_dir=str(good), progress=False, quantization="int4")
+    assert same(lm)
+    assert json.loads(meta.read_text())["types"]  # rewritten

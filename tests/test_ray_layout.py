@@ -63,6 +63,20 @@ def test_cpu_plan_draft_gets_one_core():
     assert remote.draft.cpu_cores is None
 
 
+def test_cpu_plan_one_side_named_the_other_takes_the_rest():
+    sd = dict(target="t", draft="d", mode="sd")
+    p = plan_placement(Config(**sd, draft_cores=[0]), [0, 1, 2, 3])
+    assert (p.target.cpu_cores, p.draft.cpu_cores) == ([1, 2, 3], [0])
+    p = plan_placement(Config(**sd, target_cores=[3]), [0, 1, 2, 3])
+    assert (p.target.cpu_cores, p.draft.cpu_cores) == ([3], [0, 1, 2])
+    p = plan_placement(Config(**sd, target_cores=[0, 1]), [0, 1])  # none left: they share, half each
+    assert p.target.cpu_cores == p.draft.cpu_cores == [0, 1] and p.target.num_cpus + p.draft.num_cpus == 2
+    with pytest.raises(ValueError, match=r"target_cores: cores \[4, 5\] are not among"):
+        plan_placement(Config(**sd, target_cores=[0, 4, 5]), [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="draft_cores must be a non-empty list"):
+        Config(**sd, draft_cores=[])
+
+
 def test_gpu_plan_one_bundle_per_actor():
     p = plan_placement(Config(target="t", draft="d", mode="sd", device="cuda"), [0, 1])
     assert p.bundles == [{"GPU": 1, "CPU": 1}, {"GPU": 1, "CPU": 1}] and p.strategy == "STRICT_PACK"

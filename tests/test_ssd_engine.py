@@ -182,14 +182,19 @@ def test_greedy_hits_take_the_shipped_draft_without_waiting_for_resolve(models, 
     assert sum(settled) == m["rounds"] - 1  # every round's resolve unwaited, checked in the next (not the last)
 
 
-def test_a_resolve_that_disagrees_with_the_shipped_drafts_fails_loudly():
+def test_a_resolve_that_disagrees_with_the_shipped_drafts_loses_the_draft():
+    """The coordinator took drafts the draft's cache does not hold: the draft is out of step, so it counts as
+    lost (WorkerDied: rounds go on without it while a fresh one replaces it)."""
     from concurrent.futures import Future
+    from types import SimpleNamespace
 
+    from ssd.handles import WorkerDied
     from ssd.modes.ssd import SSDMode
     from ssd.workers.draft_worker import Resolution
     from ssd.workers.messages import Draft
 
     mode = SSDMode.__new__(SSDMode)
+    mode.draft = SimpleNamespace(name="draft")
     took: Future = Future()
     took.set_result([Resolution(1, True, Draft(seq_id=1, tokens=[4, 5]), None)])
     mode._pending = (took, [[4, 5]])
@@ -198,7 +203,7 @@ def test_a_resolve_that_disagrees_with_the_shipped_drafts_fails_loudly():
     other: Future = Future()
     other.set_result([Resolution(1, True, Draft(seq_id=1, tokens=[4, 5]), None)])
     mode._pending = (other, [[4, 6]])
-    with pytest.raises(RuntimeError, match="disagrees"):
+    with pytest.raises(WorkerDied, match="disagrees"):
         mode._settle_resolve()
 
 

@@ -15,11 +15,12 @@ COMMON = dict(dtype="float32", max_batch=3, max_len=128)
 
 
 class DyingDraft(LocalHandle):
-    """A draft handle that dies on the n-th call of `method` and can be restarted (like RayHandle)."""
+    """A draft handle that fails from the n-th call of `method` on, until restarted (like RayHandle): it dies
+    (WorkerDied), hangs (its calls never answer) or raises an ordinary error."""
 
-    def __init__(self, make, method: str, die_at: int) -> None:
+    def __init__(self, make, method: str, die_at: int, how: str = "dies") -> None:
         super().__init__(make(), "draft")
-        self.make, self.method, self.die_at, self.calls, self.dead = make, method, die_at, 0, False
+        self.make, self.method, self.die_at, self.calls, self.dead, self.how = make, method, die_at, 0, False, how
 
     def call(self, method, *args, **kwargs):
         if method == self.method:
@@ -27,8 +28,11 @@ class DyingDraft(LocalHandle):
             self.dead = self.dead or self.calls == self.die_at
         if self.dead:
             f = Future()
-            f.set_exception(WorkerDied("draft", RuntimeError("killed")))
-            return f
+            if self.how == "dies":
+                f.set_exception(WorkerDied("draft", RuntimeError("killed")))
+            elif self.how == "raises":
+                f.set_exception(ValueError("a bug in the draft"))
+            return f  # "hangs": never answered
         return super().call(method, *args, **kwargs)
 
     def restart(self):
@@ -60,3 +64,32 @@ def test_ssd_survives_draft_death(models, ar_outputs, method, die_at):
     assert mode.draft_restarts == 1
     assert policy.get("ar_fallback", 0) >= 1 or method != "propose"
     assert policy.get("ssd_neural", 0) >= 2  # SSD rounds before the death and after the restart
+
+
+@pytest.mark.parametrize("how", ["hangs", "raises"])
+@pytest.mark.parametrize("mode_name,method,die_at", [("ssd", "speculate", 2), ("ssd", "resolve", 3),
+                                                     ("sd", "propose", 2)])
+def test_a_hung_or_failing_draft_is_replaced(models, ar_outputs, how, mode_name, method, die_at):
+    """A draft that stops answering (past draft_timeout_s) or raises counts as lost: the rounds go on without
+    it, exactly, and a fresh draft takes over."""
+    target, draft = models
+    kw = {"backup": "neural"} if mode_name == "ssd" else {}
+    with LLM(target=target, draft=draft, mode=mode_name, k=3, draft_timeout_s=0.3, **kw, **COMMON) as llm:
+        mode = llm.engine.mode
+        assert mode.draft_timeout_s == 0.3
+        mode.draft = DyingDraft(lambda: DraftWorker(draft, dtype="float32", max_slots=4, max_len=512), method,
+                                die_at, how)
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        policy = dict(mode.stats.policy)
+    assert outs == ar_outputs  # no request lost, no wrong token
+    assert mode.draft_restarts == 1 and mode.draft_down is None
+    assert sum(v for k, v in policy.items() if k != "ar_fallback") >= 2  # drafting before and after
+
+
+def test_draft_timeout_option_is_checked():
+    from ssd.config import Config
+
+    for bad in (0, -1, float("nan"), "60", True):
+        with pytest.raises(ValueError, match="draft_timeout_s"):
+            Config(target="t", draft="d", draft_timeout_s=bad)
+    assert Config(target="t", draft="d", draft_timeout_s=None).draft_timeout_s is None

@@ -24,7 +24,7 @@ from ssd.workers.models.decoder import DecoderModel
 from ssd.workers.models.vocab_subset import SubsetHead, draft_vocab_ids, restrict_head
 from ssd.workers.ngram import NgramIndex
 from ssd.workers.ranking import RANK_TOP, AcceptanceByConfidence, Top, confidences, ranked_outcomes
-from ssd.workers.seq_state import make_generator
+from ssd.workers.seq_state import make_generator, uniforms
 from ssd.workers.subset_q import QDraft, QRow, stack_q
 
 CANDIDATE_VOCABS = ("draft", "full")
@@ -261,7 +261,7 @@ class DraftWorker(ModelWorker):
             fo = torch.tensor(fanout, dtype=torch.long, device=dev)
             sag = saguaro_probs(logits, temp, top_k, top_p, fo, self.saguaro_c)
             probs = torch.where(sampled[:, None], sag, probs)
-        u = torch.stack([torch.rand(1, generator=s.gen)[0] for s in states])  # host generators, per request
+        u = torch.cat([uniforms(s.gen, 1) for s in states])  # [B] host generators, per request
         picked = sample_from_probs(probs, u)  # [B] column indices
         return (picked if cols is None else cols[picked]).tolist(), probs
 

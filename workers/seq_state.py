@@ -22,6 +22,12 @@ def make_generator(seed: int | None, salt: int) -> torch.Generator:
     return g
 
 
+def uniforms(gen: torch.Generator, n: int) -> torch.Tensor:
+    """n uniforms in [0, 1) from a request's generator, in float64: float32 draws lie on a 2^-24 grid, which
+    would round every probability sampled or tested with them to a multiple of 2^-24."""
+    return torch.rand(n, generator=gen, dtype=torch.float64)  # [n]
+
+
 @dataclass
 class SeqState:
     slot: int

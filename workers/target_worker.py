@@ -10,6 +10,7 @@ from ssd.kernels.sampling import filter_logits
 from ssd.kernels.verify import verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
 from ssd.workers.base import ModelWorker
 from ssd.workers.messages import Draft, Outcome
+from ssd.workers.seq_state import uniforms
 from ssd.workers.subset_q import QDraft, dense_q, write_q
 
 
@@ -97,8 +98,8 @@ class TargetWorker(ModelWorker):
                 torch.tensor([sp.top_p for sp in specs], dtype=torch.float32, device=dev),
             )  # [Bs, K+1, V]
             q = torch.zeros(len(sampled), K, V, dtype=torch.float32, device=dev)  # [Bs, K, V]
-            u_accept = torch.zeros(len(sampled), K, dtype=torch.float32)
-            u_sample = torch.zeros(len(sampled), dtype=torch.float32)
+            u_accept = torch.zeros(len(sampled), K, dtype=torch.float64)
+            u_sample = torch.zeros(len(sampled), dtype=torch.float64)
             for row, b in enumerate(sampled):
                 d, kb = drafts[b], len(drafts[b].tokens)
                 if kb:
@@ -110,8 +111,8 @@ class TargetWorker(ModelWorker):
                         q[row, torch.arange(kb, device=dev), torch.tensor(d.tokens, device=dev)] = 1.0
                 # Fixed draw pattern per sequence: reproducible whatever else is in the batch.
                 gen = states[b].gen
-                u_accept[row, :kb] = torch.rand(kb, generator=gen)
-                u_sample[row] = torch.rand(1, generator=gen)[0]
+                u_accept[row, :kb] = uniforms(gen, kb)
+                u_sample[row] = uniforms(gen, 1)[0]
             res = verify_rejection(draft_tokens[s], num_draft[s], p_target, q, u_accept, u_sample)
             num_acc[s], tokens[s] = res.num_accepted, res.tokens
 
@@ -149,12 +150,11 @@ class TargetWorker(ModelWorker):
                 p_target = filter_logits(
                     row[None], torch.tensor([sp.temperature]), torch.tensor([sp.top_k]), torch.tensor([sp.top_p])
                 )[0]  # [N+1, V]
-                uniforms = torch.rand(2 * n + 1, generator=st.gen)
-                uniforms = uniforms.to(row.device)
+                u = uniforms(st.gen, 2 * n + 1).to(row.device)  # [2N+1]
                 q = dense_q(q_draft[b]).to(row.device) if d.q_kind == "dist" and q_draft[b] is not None else None
                 path, nxt = verify_tree_rejection(
                     tree_tokens, tree_parents, p_target[0], p_target[1:],
-                    None if q is None else q[0], None if q is None else q[1:], uniforms,
+                    None if q is None else q[0], None if q is None else q[1:], u,
                 )
             self.runner.keep(st.slot, st.committed, [0] + [1 + i for i in path])
             st.committed += 1 + len(path)

@@ -1,8 +1,10 @@
 """Modes that use a draft worker, and what they do when it dies.
 
-If the draft worker dies, rounds fall back to plain decoding (still exact, no request lost)
-while the handle's `restart()` (RayHandle) runs once in the background; the fresh draft gets
-every running sequence re-added with prompt + output so far, then drafting resumes.
+If the draft worker dies, stops answering (a call past `draft_timeout_s`) or fails a call, rounds
+fall back to plain decoding (still exact, no request lost) while the handle's `restart()`
+(RayHandle: a fresh actor in place of the old one, which it kills) runs once in the background;
+the fresh draft gets every running sequence re-added with prompt + output so far, then drafting
+resumes. A draft's output never decides a token by itself, so no failure of it can make one wrong.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
+from typing import Any
 
-from ssd.handles import WorkerDied, WorkerHandle
+from ssd.handles import WorkerDied, WorkerFuture, WorkerHandle
 from ssd.modes.base import Mode, spec_of
 from ssd.sequence import Sequence
 from ssd.workers.messages import Draft, Outcome
@@ -21,6 +24,19 @@ log = logging.getLogger("ssd")
 
 class DraftBackedMode(Mode):
     max_draft_restarts = 3
+    draft_timeout_s: float | None = 60.0  # a draft call still running after this counts as a hung draft
+
+    def draft_result(self, fut: WorkerFuture) -> Any:
+        """The result of a draft call. Any failure, or no result within draft_timeout_s, is the draft's loss
+        (WorkerDied): the target's rounds go on without it."""
+        try:
+            return fut.result(timeout=self.draft_timeout_s)
+        except WorkerDied:
+            raise
+        except TimeoutError as e:
+            raise WorkerDied(self.draft.name, TimeoutError(f"no answer within {self.draft_timeout_s} s")) from e
+        except Exception as e:  # noqa: BLE001 - a draft's error must not fail the requests
+            raise WorkerDied(self.draft.name, e) from e
 
     def __init__(self, target: WorkerHandle, draft: WorkerHandle, k: int = 4) -> None:
         super().__init__(target, k)
@@ -34,7 +50,7 @@ class DraftBackedMode(Mode):
         self.seqs[seq.seq_id] = seq
         if self.draft_down is None:
             try:
-                self.draft.call("add", seq.seq_id, seq.prompt_ids, spec_of(seq)).result()
+                self.draft_result(self.draft.call("add", seq.seq_id, seq.prompt_ids, spec_of(seq)))
             except WorkerDied as e:
                 self._draft_lost(e)
 
@@ -83,7 +99,7 @@ class DraftBackedMode(Mode):
                 for s in self.seqs.values()
             ]
             for f in pending:
-                f.result()
+                self.draft_result(f)
         except WorkerDied as e:
             self._draft_lost(e)
             return False

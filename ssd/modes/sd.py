@@ -34,7 +34,7 @@ class SDMode(DraftBackedMode):
             # q stays a future: over Ray it goes draft -> target without visiting the coordinator.
             f_drafts, f_q = self.draft.call_split("propose", 2, [(s.seq_id, self.draft_len(s)) for s in seqs],
                                                   None, False, stop)
-            drafts = f_drafts.result()
+            drafts = self.draft_result(f_drafts)
         except WorkerDied as e:
             self._draft_lost(e)
             return self._ar_round(seqs)

@@ -390,7 +390,7 @@ class SSDMode(DraftBackedMode):
 
     def _draft_call(self, method: str, *args):
         try:
-            result = self.draft.call(method, *args).result()
+            result = self.draft_result(self.draft.call(method, *args))
             self._settle_resolve()  # ran before this call on the draft's queue
             return result
         except WorkerDied as e:
@@ -419,14 +419,15 @@ class SSDMode(DraftBackedMode):
 
     def _settle_resolve(self) -> None:
         """Check an all-hit round's resolve, sent without waiting: the draft must have taken the drafts the
-        coordinator took. WorkerDied propagates."""
+        coordinator took (a draft that disagrees is lost, as one that died). WorkerDied propagates."""
         if self._pending is None:
             return
         fut, want = self._pending
         self._pending = None
-        got = [(r.hit, r.draft.tokens if r.draft is not None else None) for r in fut.result()]
+        got = [(r.hit, r.draft.tokens if r.draft is not None else None) for r in self.draft_result(fut)]
         if got != [(True, y) for y in want]:
-            raise RuntimeError(f"the draft's outcome cache disagrees with the drafts it shipped: {got} != {want}")
+            raise WorkerDied(self.draft.name, RuntimeError(
+                f"the draft's outcome cache disagrees with the drafts it shipped: {got} != {want}"))
 
     def _plain_round(self, seqs: list[Sequence]) -> list[Outcome]:
         """The policy chose AR: no drafts; the draft just learns the emitted tokens."""
@@ -467,7 +468,7 @@ class SSDMode(DraftBackedMode):
         self._observe_verify(drafts, t_verify)
         t1 = time.perf_counter()
         try:
-            info = fut_s.result()
+            info = self.draft_result(fut_s)
             self._settle_resolve()  # last round's, ahead of this speculation on the draft's queue
         except WorkerDied as e:
             self._draft_lost(e)
@@ -491,7 +492,7 @@ class SSDMode(DraftBackedMode):
                            for s, y in zip(seqs, shipped)]
         else:
             try:
-                resolutions = self.draft.call("resolve", *resolve_args).result()
+                resolutions = self.draft_result(self.draft.call("resolve", *resolve_args))
             except WorkerDied as e:
                 self._draft_lost(e)
                 raise DraftLost(drafts, outcomes) from e

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,24 @@ def _extract_codes(
     return tensors, types
 
 
+def _read_codes_cache(data_file: Path, meta_file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """The cached codes and GGUF types, or None where there are none or they cannot be read (rebuilt)."""
+    if not (meta_file.is_file() and data_file.is_file()):
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+        if not isinstance(meta, dict) or meta.get("format") != CODES_CACHE_FORMAT:
+            return None
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(str(data_file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+        return tensors, dict(meta["types"])
+    except Exception as e:  # noqa: BLE001 - truncated or foreign files: extract again
+        warnings.warn(f"ignoring unreadable quantised-codes cache entry {meta_file}: {e}", stacklevel=3)
+        return None
+
+
 def load_gguf_codes(
     path: str | Path, cfg: ModelConfig, linear_names: set[str], cache_dir: str | Path | None
 ) -> tuple[
@@ -109,21 +128,20 @@ def load_gguf_codes(
     [N, K/16])} for Q6_K weights, + GGUF types."""
     path = Path(path)
     cdir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cdir.mkdir(parents=True, exist_ok=True)
     key = cache_key(path)
     data_file, meta_file = cdir / f"{key}-codes.safetensors", cdir / f"{key}-codes.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
-    if meta is not None and meta.get("format") == CODES_CACHE_FORMAT and data_file.is_file():
-        tensors: dict[str, torch.Tensor] = {}
-        with safe_open(str(data_file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-        types = meta["types"]
-    else:
+    cached = _read_codes_cache(data_file, meta_file)
+    if cached is not None:
+        tensors, types = cached
+    else:  # as the dequantised weights' cache: a cache that cannot be read or written only costs time
         tensors, types = _extract_codes(path, cfg, linear_names)
-        _atomic_write(data_file, lambda p: save_file(tensors, str(p)))
-        meta = {"format": CODES_CACHE_FORMAT, "types": types}
-        _atomic_write(meta_file, lambda p: p.write_text(json.dumps(meta)))
+        try:
+            cdir.mkdir(parents=True, exist_ok=True)
+            _atomic_write(data_file, lambda p: save_file(tensors, str(p)))
+            meta = {"format": CODES_CACHE_FORMAT, "types": types}
+            _atomic_write(meta_file, lambda p: p.write_text(json.dumps(meta)))
+        except OSError as e:
+            warnings.warn(f"could not write the quantised-codes cache in {cdir}: {e}", stacklevel=2)
     out, q5, q6 = {}, {}, {}
     for mod in {k.rsplit(".", 1)[0] for k in tensors}:
         if f"{mod}.q5codes" in tensors:

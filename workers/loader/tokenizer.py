@@ -142,6 +142,8 @@ class Tokenizer:
                 "GGUF tokenizer.chat_template); encode the raw prompt instead"
             )
         template = _compile_template(self.chat_template)
+        # transformers passes tools and documents as None when not given: templates test `is not none`
+        kwargs = {"tools": None, "documents": None, **kwargs}
         return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
