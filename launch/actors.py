@@ -169,16 +169,20 @@ class RayHandle:
         self._closed = False
         self._use_channel = channel
         self._channel_lock = threading.Lock()  # the first call may come from two threads (recovery's restart)
+        self._starting: Any = None  # a replacement actor restart() is waiting for
         self._adopt(actor)
 
     def _adopt(self, actor: Any) -> None:
         with self._channel_lock:
-            self.actor = actor
-            _ACTOR_NAMES[actor._actor_id.hex()] = self.name
-            # The path first: a call that finds it set waits on the lock instead of taking Ray's calls.
-            self._channel_path = (actor.open_channel.remote(ray.get_runtime_context().get_node_id())
-                                  if self._use_channel else None)
-            self._channel: ChannelClient | None = None
+            self._adopt_locked(actor)
+
+    def _adopt_locked(self, actor: Any) -> None:
+        self.actor = actor
+        _ACTOR_NAMES[actor._actor_id.hex()] = self.name
+        # The path first: a call that finds it set waits on the lock instead of taking Ray's calls.
+        self._channel_path = (actor.open_channel.remote(ray.get_runtime_context().get_node_id())
+                              if self._use_channel else None)
+        self._channel: ChannelClient | None = None
 
     @property
     def via_channel(self) -> bool:
@@ -194,6 +198,9 @@ class RayHandle:
             try:
                 path = ray.get(self._channel_path)
             except _DEATH:  # Ray's calls then fail with WorkerDied where their results are read
+                path = None
+            except Exception as e:  # noqa: BLE001 - e.g. the socket path too long to bind: Ray's calls instead
+                log.warning("%s: the actor could not serve a channel (%s); using Ray's calls", self.name, e)
                 path = None
             if path is not None:
                 try:
@@ -241,12 +248,16 @@ class RayHandle:
         if self._spawn is None:
             raise RuntimeError(f"{self.name}: this handle cannot restart its actor")
         self._kill()
-        actor = self._spawn()
+        actor = self._starting = self._spawn()  # shutdown() meanwhile kills it too
         try:
             ray.get(actor.ping.remote(), timeout=timeout)
-            if self._closed:
-                raise RuntimeError(f"{self.name}: shut down while restarting")
+            with self._channel_lock:  # no shutdown between this check and adopting the actor
+                if self._closed:
+                    raise RuntimeError(f"{self.name}: shut down while restarting")
+                self._starting = None
+                self._adopt_locked(actor)
         except BaseException as e:
+            self._starting = None
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - never came up
@@ -254,7 +265,6 @@ class RayHandle:
             if isinstance(e, _DEATH):
                 raise WorkerDied(self.name, e) from e
             raise
-        self._adopt(actor)
         return self
 
     def _kill(self) -> None:
@@ -273,7 +283,14 @@ class RayHandle:
             pass
 
     def shutdown(self) -> None:
-        self._closed = True
+        with self._channel_lock:
+            self._closed = True
+        starting = self._starting
+        if starting is not None:  # a replacement still starting (restart waits for it in another thread)
+            try:
+                ray.kill(starting, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         self._kill()
         remove_placement_group_quietly(self._pg)
         self._pg = None

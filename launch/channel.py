@@ -111,8 +111,13 @@ class ChannelServer:
         self._dir = tempfile.mkdtemp(prefix="ssd-channel-")  # mode 0700
         self.path = os.path.join(self._dir, "sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        self._listener.listen(1)
+        try:
+            self._listener.bind(self.path)  # fails e.g. where TMPDIR makes the path too long for AF_UNIX
+            self._listener.listen(1)
+        except OSError:
+            self._listener.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         threading.Thread(target=self._serve, name="ssd-channel", daemon=True).start()
 
     def _serve(self) -> None:

@@ -36,6 +36,7 @@ thread each.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,12 +106,16 @@ def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
     draft_res = dict(cfg.extra.get("draft_resource") or {})
     tp = target_tp(cfg)
     if uses_gpu(cfg):
+        # `--gpus 0` with a draft: both on the one GPU, half of it reserved each (two processes share it)
+        draft_gpu = cfg.extra.get("draft_gpu")
+        gpu = 0.5 if has_draft and tp == 1 and draft_gpu is not None and [draft_gpu] == cfg.extra.get(
+            "target_gpus") else 1
         targets = [
-            ActorPlan("target" if tp == 1 else f"target{r}", num_cpus=1, num_gpus=1, bundle=r, device="cuda",
+            ActorPlan("target" if tp == 1 else f"target{r}", num_cpus=1, num_gpus=gpu, bundle=r, device="cuda",
                       num_threads=cfg.target_threads, cpu_cores=cfg.target_cores)
             for r in range(tp)
         ]
-        bundles: list[dict[str, float]] = [{"GPU": 1, "CPU": 1} for _ in range(tp)]
+        bundles: list[dict[str, float]] = [{"GPU": gpu, "CPU": 1} for _ in range(tp)]
         draft = None
         if has_draft:
             draft_dev = cfg.draft_device or "cuda"
@@ -119,9 +124,9 @@ def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
                 device="cuda" if draft_dev.startswith("cuda") else draft_dev, resources=draft_res,
             )
             if draft.device == "cuda":
-                draft.num_gpus = 1
+                draft.num_gpus = gpu
                 if not draft_res:
-                    bundles.append({"GPU": 1, "CPU": 1})
+                    bundles.append({"GPU": gpu, "CPU": 1})
                     draft.bundle = len(bundles) - 1
         return Plan(targets[0], draft, bundles, cfg.extra.get("placement_strategy", "STRICT_PACK"), targets)
 
@@ -200,6 +205,7 @@ def init_ray(cfg: Config) -> bool:
     kwargs: dict[str, Any] = dict(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
                                   logging_level="warning")
     if cfg.ray_address:
+        check_reachable(cfg.ray_address)
         ray.init(address=cfg.ray_address, **kwargs)
         return True
     gpu_ids = cfg.extra.get("gpu_ids")
@@ -208,6 +214,19 @@ def init_ray(cfg: Config) -> bool:
         kwargs["num_gpus"] = len(gpu_ids)
     ray.init(num_cpus=os.cpu_count(), **kwargs)
     return True
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A HOST:PORT cluster address must answer a TCP connect: ray.init would retry an unreachable one for
+    minutes without a word. ("auto", "local" and ray:// client addresses are left to Ray.)"""
+    if address in ("auto", "local") or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot reach the Ray cluster at {address}: {e}") from None
 
 
 class RayCPUsBusy(RuntimeError):
@@ -225,6 +244,22 @@ def wait_for_cpus(need: float, wait_s: float) -> tuple[float, float]:
         if free >= need or time.monotonic() >= deadline:
             return free, ray.cluster_resources().get("CPU", 0.0)
         time.sleep(0.05)
+
+
+def check_feasible(plan: Plan, cluster: dict[str, float]) -> None:
+    """Fail at once where the cluster has not, in all, the resources an actor asks for (Ray would wait for
+    them forever): e.g. a draft_resource no node offers, or more GPUs than the cluster has."""
+    need: dict[str, float] = {}
+    for ap in (*plan.targets, plan.draft):
+        if ap is None:
+            continue
+        for key, amount in (("CPU", ap.num_cpus), ("GPU", ap.num_gpus), *(ap.resources or {}).items()):
+            if amount:
+                need[key] = need.get(key, 0.0) + float(amount)
+    short = {k: v for k, v in need.items() if cluster.get(k, 0.0) + 1e-9 < v}
+    if short:
+        have = {k: cluster.get(k, 0.0) for k in short}
+        raise ValueError(f"the Ray cluster cannot ever hold these actors: they need {short}, it has {have} in all")
 
 
 def _local_cores() -> list[int]:
@@ -260,6 +295,7 @@ def place_workers(
                 f"Ray has {free:g} of its {total:g} CPUs free and this engine's actors need {need:g}: another "
                 "engine in this process holds them; close it first, or run this one with use_ray=False"
             )
+    check_feasible(plan, ray.cluster_resources())
     pg = None
     if plan.bundles:
         pg = placement_group(plan.bundles, strategy=plan.strategy)

@@ -78,7 +78,9 @@ def stage_package(dest: Path) -> Path:
 
 
 def build_runtime_env(args: argparse.Namespace, staging: Path | None) -> dict:
-    env: dict = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+    # PYTHONSAFEPATH (Python 3.11+): the job's cwd, the uploaded working dir, is not put first on sys.path, so
+    # a source checkout as working dir (its ssd/ folder lacks the subpackages) cannot shadow the installed ssd.
+    env: dict = {"env_vars": {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}}
     for kv in args.env:
         if "=" not in kv:
             raise CLIError(f"--env expects KEY=VALUE, got {kv!r}")

@@ -67,7 +67,7 @@ def test_other_settings_are_other_entries_and_bad_entries_are_measured_over(cach
     other = CountingHandle(0.03, 0.05)
     start({"models": "b"}, other, CountingHandle(0.004, 0.02))
     assert measured(other) and len(list(cache.glob("*.json"))) == 2
-    for bad in ("{not json", "[]", "null", '{"format": %d, "config": null, "check": null}' % acc.FORMAT):
+    for bad in ("{not json", "[]", "null", f'{{"format": {acc.FORMAT}, "config": null, "check": null}}'):
         for f in cache.glob("*.json"):
             f.write_text(bad)  # truncated, or JSON of another shape
         broken = CountingHandle(0.03, 0.05)

@@ -66,6 +66,18 @@ def test_socket_is_private_and_removed_once_connected():
     client.close()
 
 
+def test_a_socket_path_too_long_fails_cleanly(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 120)  # AF_UNIX paths hold ~108 bytes
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    with pytest.raises(OSError):
+        ChannelServer(Worker())
+    assert list(deep.iterdir()) == []  # its private directory went with it (RayHandle then uses Ray's calls)
+
+
 def test_values_tensors_and_messages_roundtrip(served):
     _, _, client = served
     tensors = [torch.randn(3, 5), torch.randn(4, 7).to(torch.bfloat16), torch.arange(6), torch.zeros(0, 3)]

@@ -294,6 +294,7 @@ def _write_gguf(
     quantize: bool = True,
     rope_freqs: bool = False,
     drop: str | None = None,
+    pre: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write `hf` as llama.cpp would; return the tensors the loader should produce (HF names, fp32)."""
     cfg = hf.config
@@ -314,7 +315,7 @@ def _write_gguf(
         tokens = sorted(vocab, key=vocab.get)
         added = set(SPECIALS)
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2" if arch != "llama" else "llama-bpe")
+        w.add_tokenizer_pre(pre or ("qwen2" if arch != "llama" else "llama-bpe"))
         w.add_token_list(tokens)
         w.add_token_types([3 if t in added else 1 for t in tokens])
         w.add_token_merges([" ".join(m) for m in json.loads(bpe.to_str())["model"]["merges"]])
@@ -520,6 +521,18 @@ def test_gguf_tokenizer_matches_transformers(tmp_path: Path, bpe: Backend, arch:
     assert ours.apply_chat_template(msgs) == theirs.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=True
     )
+
+
+def test_gguf_unknown_pre_tokenizer_is_refused(tmp_path: Path, bpe: Backend) -> None:
+    """Another split regex would give other ids than the model's own tokenizer: no tokenizer, with a warning
+    (the model still runs on token ids), rather than GPT-2's regex in silence."""
+    path = tmp_path / "t.gguf"
+    _write_gguf(path, "qwen2", _hf_model("qwen2"), bpe, quantize=False, pre="tekken")
+    with pytest.raises(ValueError, match="unsupported GGUF pre-tokenizer 'tekken'"):
+        Tokenizer.from_gguf(str(path))
+    with pytest.warns(UserWarning, match="no tokenizer loaded.*tekken"):
+        lm = load_model(str(path), dtype=torch.float32, cache_dir=str(tmp_path / "c"), progress=False)
+    assert lm.tokenizer is None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from ssd import LLM, SamplingParams
 from ssd.config import Config
 from ssd.handles import LocalHandle, WorkerDied
 from ssd.launch.actors import RayHandle, actor_class, register_serializers
-from ssd.launch.placement import WORKER_SPINCOUNT, openmp_env, plan_placement
+from ssd.launch.placement import WORKER_SPINCOUNT, check_feasible, openmp_env, plan_placement
 
 ray = pytest.importorskip("ray")
 
@@ -61,6 +61,9 @@ def test_cpu_plan_draft_gets_one_core():
     remote = plan_placement(Config(target="t", draft="d", mode="sd", extra=on_node), [0, 1])
     assert remote.target.cpu_cores == [0, 1] and remote.draft.resources == {"draft_node": 1}
     assert remote.draft.cpu_cores is None
+    check_feasible(remote, {"CPU": 3.0, "draft_node": 1.0})  # the draft's node brings its own CPU
+    with pytest.raises(ValueError, match=r"cannot ever hold.*draft_node"):  # Ray would wait forever
+        check_feasible(remote, {"CPU": 3.0})
 
 
 def test_cpu_plan_one_side_named_the_other_takes_the_rest():
@@ -77,12 +80,30 @@ def test_cpu_plan_one_side_named_the_other_takes_the_rest():
         Config(**sd, draft_cores=[])
 
 
+def test_an_unreachable_cluster_address_fails_fast():
+    import socket
+
+    from ssd.launch.placement import check_reachable
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=f"cannot reach the Ray cluster at 127.0.0.1:{port}"):
+        check_reachable(f"127.0.0.1:{port}", timeout_s=5)
+    check_reachable("auto")  # left to Ray
+
+
 def test_gpu_plan_one_bundle_per_actor():
     p = plan_placement(Config(target="t", draft="d", mode="sd", device="cuda"), [0, 1])
     assert p.bundles == [{"GPU": 1, "CPU": 1}, {"GPU": 1, "CPU": 1}] and p.strategy == "STRICT_PACK"
     assert (p.target.bundle, p.draft.bundle, p.target.device, p.draft.device) == (0, 1, "cuda", "cuda")
     spread = Config(target="t", draft="d", mode="sd", device="cuda", extra={"placement_strategy": "PACK"})
     assert plan_placement(spread, [0]).strategy == "PACK"
+    one_gpu = {"gpu_ids": [0], "target_tp": 1, "target_gpus": [0], "draft_gpu": 0}  # the CLI's `--gpus 0`
+    shared = plan_placement(Config(target="t", draft="d", mode="sd", device="cuda:0", draft_device="cuda:0",
+                                   extra=one_gpu), [0, 1])
+    assert shared.bundles == [{"GPU": 0.5, "CPU": 1}, {"GPU": 0.5, "CPU": 1}]  # fits the one GPU Ray is given
+    assert shared.target.num_gpus == shared.draft.num_gpus == 0.5
     on_node = {"draft_resource": {"draft_node": 1}}
     remote = plan_placement(Config(target="t", draft="d", mode="sd", device="cuda", extra=on_node), [0])
     assert len(remote.bundles) == 1 and remote.draft.bundle is None and remote.draft.num_gpus == 1

@@ -161,3 +161,22 @@ def test_ship_package_layout(tmp_path):
                        cwd=tmp_path, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith(str(pkg))
+
+
+def test_a_working_dir_with_an_ssd_folder_does_not_shadow_the_package(tmp_path):
+    """A job runs in its uploaded working dir; a source checkout there has an ssd/ folder without the
+    subpackages. The job's environment keeps the cwd off sys.path (PYTHONSAFEPATH)."""
+    import argparse
+
+    from ssd.launch.submit import build_runtime_env
+
+    (tmp_path / "ssd").mkdir()
+    (tmp_path / "ssd" / "__init__.py").write_text("raise ImportError('the working dir shadows ssd')\n")
+    args = argparse.Namespace(env=[], no_working_dir=False, working_dir=str(tmp_path), pip=[])
+    job_env = build_runtime_env(args, None)["env_vars"]
+    cmd = [PY, "-c", "import ssd.launch.cli"]
+    shadowed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True,
+                              env={k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"})
+    assert shadowed.returncode != 0 and "shadows" in shadowed.stderr  # the failure this guards against
+    ok = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, **job_env})
+    assert ok.returncode == 0, ok.stderr

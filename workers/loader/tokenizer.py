@@ -247,6 +247,10 @@ class Tokenizer:
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges: list[str] = meta.get("tokenizer.ggml.merges") or []
         pre: str = meta.get("tokenizer.ggml.pre") or "default"
+        if pre not in PRE_TOKENIZER_SPLITS and pre not in ("default", "gpt2"):
+            # another split regex would give other token ids than the model's own tokenizer (llama.cpp refuses too)
+            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: "
+                             f"{', '.join(sorted({*PRE_TOKENIZER_SPLITS, 'default', 'gpt2'}))}")
 
         # Vocab entries are spelled in GPT-2's byte alphabet; respell the odd one that is not.
         spell = _byte_alphabet()
