@@ -62,7 +62,7 @@ def background(kind: str, core: int, args: argparse.Namespace) -> subprocess.Pop
     code = _MATMUL if kind == "matmul" else _DRAFT
     argv = [sys.executable, "-c", code, str(core)]
     if kind == "draft":
-        argv += [args.draft, args.quantization or "", str(args.draft_vocab or 0), str(args.branches)]
+        argv += [args.draft, args.draft_quantization or "", str(args.draft_vocab or 0), str(args.branches)]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     if p.stdout.readline().strip() != "ready":
         p.kill()
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="qwen-coder-1.5b")
     ap.add_argument("--draft", default="qwen-coder-0.5b")
     ap.add_argument("--quantization", default="w4a8")
+    ap.add_argument("--draft-quantization", default="auto",
+                    help="the draft's format (default: the engine's choice for this target, Config's 'auto')")
     ap.add_argument("--draft-vocab", type=int, default=32768)
     ap.add_argument("--tokens", type=int, default=3, help="the longer forward: a verification of K = tokens - 1")
     ap.add_argument("--branches", type=int, default=3, help="sibling tokens per background draft forward")
@@ -82,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="results/contention.json")
     args = ap.parse_args(argv)
+    if args.draft_quantization == "auto":  # what an engine gives this pair's draft (w4a8-g64 under w4a8)
+        from ssd.config import Config
+
+        args.draft_quantization = Config(target=args.target, draft=args.draft, quantization=args.quantization or None,
+                                         draft_quantization="auto").draft_quantization
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         ap.error("needs two cores")

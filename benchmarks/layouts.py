@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench import decode_part  # noqa: E402
 from prompts import humaneval_raw  # noqa: E402
 
 from ssd import LLM, SamplingParams  # noqa: E402
@@ -62,8 +63,7 @@ def run(args: argparse.Namespace, layout: str) -> dict:
             outs = [llm.generate([p], SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                                                      seed=i))[0] for i, p in enumerate(prompts)]
         after = llm.stats()
-        tokens = sum(len(o.token_ids) - 1 for o in outs)
-        seconds = sum(o.metrics["latency_s"] - o.metrics["ttft_s"] for o in outs)
+        tokens, seconds = map(sum, zip(*(decode_part(o) for o in outs), strict=True))
         rounds = after["rounds"] - before["rounds"]
         return {
             "decode_tokens_per_s": round(tokens / seconds, 2),

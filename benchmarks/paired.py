@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench import add_model_args, as_fed, placement_kwargs, prompt_sets  # noqa: E402
+from bench import add_model_args, as_fed, decode_part, placement_kwargs, prompt_sets  # noqa: E402
 
 from ssd import LLM, SamplingParams  # noqa: E402
 
@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                         before = llms[m].stats()["policy"]
                         o = llms[m].generate([text], SamplingParams(temperature=0, max_tokens=args.max_tokens))[0]
                         after = llms[m].stats()["policy"]
-                        row[m] = {"decode_tokens": len(o.token_ids) - 1,
-                                  "decode_s": o.metrics["latency_s"] - o.metrics["ttft_s"],
+                        n, secs = decode_part(o)
+                        row[m] = {"decode_tokens": n, "decode_s": secs,
                                   "token_ids": list(o.token_ids),
                                   "cache_hits": o.metrics.get("cache_hits", 0),
                                   "cache_misses": o.metrics.get("cache_misses", 0),

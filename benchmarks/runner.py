@@ -16,7 +16,9 @@ not depend on the weights' values).
 
 Measurements are interleaved round by round across variants, so a busy machine slows all of them
 alike; medians are reported. Each row also gives the weights a decode step streams (MB/tok) and
-the tokens/s that the measured memory read rate would allow if nothing else cost time ("bound").
+the tokens/s that the probe's read rate would allow if nothing else cost time ("bound"). The probe (a
+`sum` over 512 MiB on ordinary pages, once before the rounds) is not an upper bound: the weights sit on
+huge pages and the memory's speed drifts, and decode has beaten it by up to 25 % (sessions 40 and 45).
 
     python benchmarks/runner.py --quick          # ~5 min on 2 cores
     python benchmarks/runner.py --threads 1,2 --decode-tokens 64 --reps 9

@@ -20,6 +20,7 @@ class Status(enum.Enum):
 class RequestMetrics:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    first_tokens: int = 0  # tokens delivered with the first (a round may emit several): decode rates start after
     finish_s: float | None = None
     rounds: int = 0
     drafted_tokens: int = 0
@@ -55,6 +56,7 @@ class RequestMetrics:
             "tau": round(self.tau, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "ttft_s": None if self.first_token_s is None else round(self.first_token_s - self.arrival_s, 4),
+            "first_tokens": self.first_tokens,
             "latency_s": None if self.finish_s is None else round(self.finish_s - self.arrival_s, 4),
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
@@ -115,12 +117,15 @@ class Sequence:
         kept = self.output_ids[start:]
         if kept and self.metrics.first_token_s is None:
             self.metrics.first_token_s = time.perf_counter()
+            self.metrics.first_tokens = len(kept)
         self._update_text()
         cut = self._stop_string_cut(start)
         if cut is not None:
             n, self.text = cut
             del self.output_ids[start + n:]
             kept = kept[:n]
+            if start == 0:
+                self.metrics.first_tokens = n
             self._finish("stop")
         elif stop_id:
             self._finish("stop")
