@@ -27,9 +27,10 @@ from ssd.workers.models.quant import quantize_model, reference_mode
 MODES = ["int8", "int4", "w4a8", "w8a8", "dense"]  # dense: unquantised weights, ssd.kernels.cpu.linear_dense
 
 
-def tiny(mode, dtype=torch.bfloat16, seed=3, vocab=512, layers=2, scale=1.0):
+def tiny(mode, dtype=torch.bfloat16, seed=3, vocab=512, layers=2, scale=1.0, arch="qwen2"):
     # Large enough for bf16/fp32 F.linear and masked SDPA to be visibly non-invariant (hd 64, L ~ 100s).
-    m = random_model(vocab=vocab, hidden=256, heads=4, kv_heads=2, layers=layers, seed=seed, scale=scale).to(dtype)
+    m = random_model(vocab=vocab, hidden=256, heads=4, kv_heads=2, layers=layers, seed=seed, scale=scale,
+                     arch=arch).to(dtype)
     return use_dense_kernels(m) if mode == "dense" else quantize_model(m, mode)
 
 
@@ -66,6 +67,22 @@ def test_block_equals_one_at_a_time(mode, dtype, threads):
         block = r.forward([s], [toks[base : base + n]])[0]
         alone = decode_alone(model, toks[:base], toks[base : base + n])
         assert torch.equal(block, alone), f"base={base} n={n}: max diff {(block - alone).abs().max().item()}"
+
+
+@pytest.mark.parametrize("mode", ["w4a8", "w8a8", "dense"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_qwen3_qk_norms_block_equals_one_at_a_time(mode, dtype):
+    """Qwen3 normalises q and k per head: strided views in a block, contiguous ones for a single token; the
+    norm must take one path for both (it took the torch formula for blocks, the C kernel for one token)."""
+    model = tiny(mode, dtype, arch="qwen3")
+    assert model.batch_invariant
+    toks = tokens(120)
+    r = ModelRunner(model, max_slots=1, max_len=512)
+    s = r.allocate()
+    r.forward([s], [toks[:100]])
+    block = r.forward([s], [toks[100:109]])[0]
+    alone = decode_alone(model, toks[:100], toks[100:109])
+    assert torch.equal(block, alone), f"max diff {(block - alone).abs().max().item()}"
 
 
 def test_torch_linear_path_is_not_invariant():

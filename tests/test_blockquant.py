@@ -30,6 +30,29 @@ def test_activation_quantisation_matches_reference_bitwise(dtype):
     assert xq.abs().max() == 127
 
 
+def test_non_finite_and_tiny_activation_blocks():
+    """A block holding a NaN or an infinity quantises to dx = NaN, xq = 0 (every output it feeds is NaN, on
+    every build: no INT_MIN from converting NaN); one so small that 1 / dx overflows counts as zero."""
+    x = torch.ones(6, 64)
+    x[0, 5] = float("nan")  # max drops NaN operands: found apart, at any position
+    x[1, 31] = float("nan")
+    x[2, 40] = float("inf")
+    x[3, :32] = 1e-37  # 1 / (1e-37 / 127) overflows
+    x[4, 33] = -float("inf")
+    xq, dx, sx = qk.quantize_rows(x)
+    rq, rdx, rsx = qk.ref_quantize_rows(x)
+    assert torch.equal(xq, rq) and torch.equal(dx.isnan(), rdx.isnan()) and torch.equal(sx.isnan(), rsx.isnan())
+    fin = dx.isfinite()
+    assert torch.equal(dx[fin], rdx[fin]) and torch.equal(sx[fin], rsx[fin])
+    assert dx.isnan().tolist() == [[True, False], [True, False], [False, True], [False, False], [False, True],
+                                   [False, False]]
+    assert (xq[:2, :32] == 0).all() and (xq[2, 32:] == 0).all() and dx[3, 0] == 0 and (xq[3, :32] == 0).all()
+    g = torch.Generator().manual_seed(0)
+    for cls in CLASSES:
+        y = cls.from_float(torch.randn(24, 64, generator=g), None, torch.float32)(x)
+        assert y[[0, 1, 2, 4]].isnan().all() and y[[3, 5]].isfinite().all(), cls.__name__
+
+
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 17])  # around the kernel's 8-row chunks
@@ -532,6 +555,13 @@ def test_vnni_builds_give_the_avx2_bits(build, monkeypatch):
         return out["avx2"], out[build]
 
     g = torch.Generator().manual_seed(11)
+    xnan = torch.ones(3, 64)
+    xnan[0, 7], xnan[1, 40] = float("nan"), float("inf")
+    for cls in CLASSES:  # non-finite activations: NaN outputs on both builds, the finite row the same bits
+        lin = cls.from_float(torch.randn(16, 64, generator=g), None, torch.float32)
+        base, fast = run(lambda lin=lin: lin(xnan))
+        assert torch.equal(base.isnan(), fast.isnan()) and base[:2].isnan().all()
+        assert torch.equal(base[2], fast[2])
     for cls in CLASSES:
         # 40 rows: 5 tiles (the AVX-512 build's pairs plus an odd tile); 44: 6 tiles, the last pair
         # 12 rows. M: 1 to 8 rows in one pass, then 9 and 13 in two (the amx build: 16 in one, 21 in two).

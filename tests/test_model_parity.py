@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import hf_model, ours_from_hf
+from tiny_models import hf_model, ours_from_hf, random_model
 
 from ssd.workers.model_runner import ModelRunner
 
@@ -140,3 +140,13 @@ def test_tree_grown_over_several_forwards_equals_branches():
     runner.truncate(r, 0)
     ref = runner.forward([r], [prompt + [10, 11, 21, 31, 40]])[0, -1]
     torch.testing.assert_close(after, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_frequencies_stay_fp32_when_the_model_is_cast():
+    """An in-memory model cast to bf16 (as the workers do) keeps fp32 RoPE frequencies: rounded to bf16 they
+    would be a whole radian off by position ~1000."""
+    from ssd.workers.models.decoder import rope_inv_freq
+
+    model = random_model(vocab=32, hidden=256, heads=2, kv_heads=2).to(torch.bfloat16)
+    assert model.inv_freq.dtype == torch.float32
+    assert torch.equal(model.inv_freq, rope_inv_freq(model.config))

@@ -213,12 +213,18 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def ref_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Reference for `quantize_rows`: per block of 32, dx = absmax / 127, xq = round(x * (1 / dx))."""
+    """Reference for `quantize_rows`: per block of 32, dx = absmax / 127, xq = round(x * (1 / dx)). A block with
+    a NaN or an infinity gives dx = NaN and xq = 0; one whose 1 / dx overflows counts as zero."""
     m, k = x.shape
     x32 = x.float().view(m, k // QK, QK)
+    bad = ~torch.isfinite(x32).all(dim=-1)  # [M, K/32]
+    x32 = torch.where(bad[..., None], torch.zeros_like(x32), x32)
     dx = x32.abs().amax(dim=-1) / 127.0  # [M, K/32]
     inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    dx = torch.where(torch.isfinite(inv), dx, torch.zeros_like(dx))
+    inv = torch.where(torch.isfinite(inv), inv, torch.zeros_like(inv))
     xq = (x32 * inv[..., None]).round()  # round half to even, like the kernel's vroundps
+    dx = torch.where(bad, torch.full_like(dx, float("nan")), dx)
     sx = dx * xq.sum(dim=-1)
     return xq.to(torch.int8).view(m, k), dx, sx
 

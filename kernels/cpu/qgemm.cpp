@@ -61,6 +61,8 @@
 // thread pool). Each kernel's `_part` does thread t's range; the entry points run it in a parallel region of
 // their own, ssd_decoder_layers runs all of a forward's stages in one region (ssd_team::linear).
 
+#include <cmath>
+#include <limits>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -861,7 +863,8 @@ namespace {
 
 // One block of 32 activations (from element `at` of x) to int8: q = round_half_even(x * (1 / d)), d = absmax / 127
 // (an all-zero block gives d = 0, q = 0), s = d * sum(q); with `start`, -c * sum(q) of the block (parts = 1) or
-// of each half of 16 (parts = 2).
+// of each half of 16 (parts = 2). A block holding a NaN or an infinity gives d = NaN, q = 0 (the outputs it feeds
+// are NaN, as in float arithmetic, on every ISA); one so small that 1 / d overflows counts as zero.
 inline void quantize_block(const void* x, int x_bf16, size_t at, int8_t* q_out, float& d_out, float& s_out,
                            int32_t* start, int c, int parts) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -876,8 +879,18 @@ inline void quantize_block(const void* x, int x_bf16, size_t at, int8_t* q_out, 
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float d = _mm_cvtss_f32(h) / 127.0f;
-    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    // max drops NaN operands: look for them apart (unordered with themselves)
+    const __m256 nan = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q),
+                                                 _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+                                    _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q),
+                                                 _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+    const float amax = _mm_cvtss_f32(h);
+    const bool bad = _mm256_movemask_ps(nan) != 0 || !std::isfinite(amax);
+    float d = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+    if (!bad && d != 0.0f && !std::isfinite(1.0f / d)) d = 0.0f;
+    const __m256 id = _mm256_set1_ps(!bad && d != 0.0f ? 1.0f / d : 0.0f);
+    if (bad)
+        for (int j = 0; j < 4; ++j) v[j] = _mm256_setzero_ps();  // q = 0: no INT_MIN from converting NaN
     __m256i q[4];
     for (int j = 0; j < 4; ++j)
         q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -31,8 +31,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_cpu_kernel and x.dtype == self.weight.dtype and x.is_contiguous():
-            return cpu_kernels.rmsnorm(x, self.weight, self.eps)
+        if self.use_cpu_kernel and x.dtype == self.weight.dtype:
+            # Always this path, whatever the layout: Qwen3's q/k norms get strided views for a block of tokens
+            # but contiguous ones for a single token, and the torch formula below rounds differently.
+            return cpu_kernels.rmsnorm(x.contiguous(), self.weight, self.eps)
         # Normalise in fp32 (as the reference implementations do), scale in the model dtype.
         dtype = x.dtype
         x32 = x.float()
@@ -286,6 +288,14 @@ class DecoderModel(nn.Module):
         self._rope_table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
         self._fused: FusedLayers | None = None
         self._fused_refused: tuple | None = None
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        """`.to(bfloat16)` and the like: the RoPE frequencies stay fp32 (rounded to bf16 they would put
+        positions ~1000 off by a whole radian), on the device the weights went to."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
 
     # Batch-invariant numerics: when True (set by quantize_model once every linear layer runs a
     # row-independent kernel), every forward runs attention token by token (Attention._attend_rows),
