@@ -59,11 +59,26 @@ def sample_continuations(llm, prompt: list[int], n: int, params: SamplingParams,
 
 
 def chi_square_pvalue(samples: list[tuple], probs: dict[tuple, float], min_expected: float = 5.0) -> float:
+    """Pearson chi-square on whole continuations and on each shorter prefix (the first token's marginal, ...):
+    a bias concentrated at one position (a wrong q for the first draft token, say) spreads thin over the
+    joint's many cells but stands out in its prefix's few. Returns the smallest p-value times the number of
+    tests (Bonferroni), so a threshold keeps its meaning."""
+    if any(s not in probs for s in samples):
+        return 0.0  # a continuation the target gives zero probability: certainly not lossless
+    n = len(next(iter(probs)))
+    pvalues = []
+    for length in range(1, n + 1):
+        prefix_probs: dict[tuple, float] = {}
+        for key, p in probs.items():
+            prefix_probs[key[:length]] = prefix_probs.get(key[:length], 0.0) + p
+        pvalues.append(_pearson_pvalue([s[:length] for s in samples], prefix_probs, min_expected))
+    return min(1.0, min(pvalues) * len(pvalues))
+
+
+def _pearson_pvalue(samples: list[tuple], probs: dict[tuple, float], min_expected: float) -> float:
     """Pearson chi-square; cells with small expected counts are pooled into one."""
     counts: dict[tuple, int] = {}
     for s in samples:
-        if s not in probs:
-            return 0.0  # a continuation the target gives zero probability: certainly not lossless
         counts[s] = counts.get(s, 0) + 1
     N = len(samples)
     obs, exp = [], []

@@ -128,3 +128,23 @@ def test_negative_control_lossy_miss_path_is_caught(target, monkeypatch):
     )
     assert sum(st["cache_misses_per_k"].values()) > 100
     assert p < 1e-6, f"the test failed to catch a lossy miss path (p={p:.2e})"
+
+
+def test_negative_control_shipped_q_unlike_the_sampled_one_is_caught(target, draft, monkeypatch):
+    """A subtler fault than greedy matching: the draft samples from its Saguaro q but ships a slightly
+    different one (as a verifier fed q at another C would see). The prefix chi-squares must catch it."""
+    from ssd.workers.draft_worker import DraftWorker
+
+    sample = DraftWorker._sample
+
+    def skewed(self, logits, states, fanout, cols=None):
+        tokens, probs = sample(self, logits, states, fanout, cols)
+        if probs is not None:
+            probs = probs**1.3
+            probs = probs / probs.sum(-1, keepdim=True)
+        return tokens, probs
+
+    monkeypatch.setattr(DraftWorker, "_sample", skewed)
+    p, _ = run_case(target, draft, SamplingParams(temperature=1.0), seed=len("neural_c05"), k=2, backup="neural",
+                    saguaro_c=0.5)
+    assert p < 1e-3, f"the test failed to catch a q unlike the sampled one (p={p:.2e})"

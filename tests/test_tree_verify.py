@@ -56,12 +56,13 @@ def test_sampled_tree_with_point_mass_siblings_is_exact():
             parents.append(node)
     n = 2000
     w = TargetWorker(model, dtype="float32", max_slots=64, max_len=64)
-    samples = []
+    samples, accepted = [], []
     for start in range(0, n, 64):
         ids = list(range(start, min(n, start + 64)))
         for i in ids:
             w.add(i, PROMPT, SamplingSpec(temperature=1.0, seed=i))
         outs = w.verify([Draft(seq_id=i, tokens=tokens, q_kind="point", parents=parents) for i in ids])
+        accepted += [o.num_accepted for o in outs]
         short = [o.seq_id for o in outs if len(o.tokens) < 2]
         more = {o.seq_id: o.tokens for o in w.verify([Draft(seq_id=i) for i in short])} if short else {}
         for o in outs:
@@ -70,5 +71,6 @@ def test_sampled_tree_with_point_mass_siblings_is_exact():
             w.remove(i)
     p = chi_square_pvalue(samples, exact)
     assert p > 1e-3, p
-    # the tree was really used: most samples took at least one drafted node
-    assert sum(s[0] in firsts for s in samples) > n * 0.5
+    # The tree was really verified (plain sampling from p would pass the chi-square too): the first level's
+    # point masses hold ~0.85 of p, so most rows accept a root sibling, and many a child after it.
+    assert sum(a >= 1 for a in accepted) > n * 0.6 and sum(a == 2 for a in accepted) > n * 0.2
