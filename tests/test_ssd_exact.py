@@ -41,6 +41,8 @@ CASES = {
         dict(k=2, backup="ngram", saguaro_c=0.3), SamplingParams(temperature=1.2, top_k=8, top_p=0.9)
     ),
     "random_backup": (dict(k=2, backup="random", saguaro_c=0.5), SamplingParams(temperature=1.0)),
+    # the batch-size-aware choice between the neural and the fast backup, per round
+    "auto_backup": (dict(k=2, backup="auto", saguaro_c=0.5), SamplingParams(temperature=1.0)),
     "uniform_fanout": (dict(k=2, backup="neural", fanout_kind="uniform", fanout=6), SamplingParams(temperature=1.0)),
     # The draft proposes only tokens 0..7 (q = 0 for the rest): verification uses that q, so still exact.
     "restricted_draft_vocab": (
@@ -59,6 +61,8 @@ def test_ssd_sampling_is_exact(target, draft, case):
     p, st = run_case(target, draft, params, seed=len(case), **kw)
     assert sum(st["cache_hits_per_k"].values()) > 100, st  # hits and misses both exercised
     assert sum(st["cache_misses_per_k"].values()) > 100, st
+    if kw.get("backup") == "auto":  # rounds with each backup
+        assert st["policy"].get("ssd_neural", 0) > 0 and st["policy"].get("ssd_fast", 0) > 0, st["policy"]
     assert p > 1e-3, f"{case}: chi-square p-value {p:.2e}"
 
 
