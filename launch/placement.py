@@ -262,7 +262,8 @@ def check_feasible(plan: Plan, cluster: dict[str, float]) -> None:
         raise ValueError(f"the Ray cluster cannot ever hold these actors: they need {short}, it has {have} in all")
 
 
-def _local_cores() -> list[int]:
+def local_cores() -> list[int]:
+    """The cores this process may run on."""
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
@@ -286,7 +287,7 @@ def place_workers(
 
     init_ray(cfg)
     register_serializers()
-    plan = plan_placement(cfg, _local_cores(), pin=not cfg.ray_address)
+    plan = plan_placement(cfg, local_cores(), pin=not cfg.ray_address)
     if not cfg.ray_address:  # this machine's Ray: its actors would wait forever for CPUs another engine holds
         need = sum(ap.num_cpus for ap in (*plan.targets, plan.draft) if ap is not None)
         free, total = wait_for_cpus(need, cfg.extra.get("ray_cpu_wait_s", 5.0))

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ssd.sampling_params import SamplingParams
+from ssd.sampling_params import SamplingParams, is_int
 from ssd.sequence import Sequence, Status, stable_text_len
 
 log = logging.getLogger("ssd.server")
@@ -339,10 +339,14 @@ DISCONNECT_CHECK_S = 1.0  # and one receiving tokens, at most this often
 
 # OpenAI fields that would change the output, accepted only at their "off" values (None: absent).
 _UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
     "min_tokens": (None, 0),
-    "repetition_penalty": (None, 1, 1.0),
+    "repetition_penalty": (None, 1),
     "tools": (None, []),
     "functions": (None, []),
     "tool_choice": (None, "none"),
@@ -355,26 +359,16 @@ def _guess_param(message: str) -> str | None:
     return first if first in _SAMPLING_FIELDS else None
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _sampling(body: dict, max_tokens_key: tuple[str, ...]) -> tuple[dict, bool]:
     """SamplingParams keyword arguments from an OpenAI body; second value: max_tokens was given."""
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
+    if n is not None and (not is_int(n) or n != 1):
         raise APIError(400, "only n=1 is supported", param="n")
     best_of = body.get("best_of")
-    if best_of is not None and (not _is_int(best_of) or best_of != 1):
+    if best_of is not None and (not is_int(best_of) or best_of != 1):
         raise APIError(400, "best_of is not supported", param="best_of")
-    for key in ("logprobs", "top_logprobs"):
-        if body.get(key) not in (None, False, 0):
-            raise APIError(400, f"{key} is not supported", param=key)
     if body.get("echo"):
         raise APIError(400, "echo is not supported", param="echo")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise APIError(400, f"{key} is not supported", param=key)
     for key, off in _UNSUPPORTED_FIELDS.items():
         if body.get(key) not in off:
             raise APIError(400, f"{key} is not supported", param=key)
@@ -391,7 +385,7 @@ def _sampling(body: dict, max_tokens_key: tuple[str, ...]) -> tuple[dict, bool]:
     for key in ("top_k", "seed"):
         v = body.get(key)
         if v is not None:
-            if not _is_int(v):
+            if not is_int(v):
                 raise APIError(400, f"{key} must be an integer, got {v!r}", param=key)
             kw[key] = v
     if body.get("top_k") == -1:  # vLLM's spelling of "off"
@@ -400,7 +394,7 @@ def _sampling(body: dict, max_tokens_key: tuple[str, ...]) -> tuple[dict, bool]:
     for key in max_tokens_key:
         v = body.get(key)
         if v is not None:
-            if not _is_int(v):
+            if not is_int(v):
                 raise APIError(400, f"{key} must be an integer, got {v!r}", param=key)
             kw["max_tokens"] = v
             given = True
@@ -414,7 +408,7 @@ def _sampling(body: dict, max_tokens_key: tuple[str, ...]) -> tuple[dict, bool]:
         kw["stop"] = stop
     sti = body.get("stop_token_ids")
     if sti is not None:
-        if not isinstance(sti, list) or not all(_is_int(t) for t in sti):
+        if not isinstance(sti, list) or not all(is_int(t) for t in sti):
             raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
         kw["stop_token_ids"] = sti
     if body.get("ignore_eos") is not None:
@@ -453,11 +447,11 @@ def _completion_prompts(body: dict) -> list[str | list[int]]:
     if isinstance(p, str):
         return [p]
     if isinstance(p, list) and p:
-        if all(_is_int(x) for x in p):
+        if all(is_int(x) for x in p):
             return [p]
         if all(isinstance(x, str) for x in p):
             prompts = list(p)
-        elif all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
+        elif all(isinstance(x, list) and x and all(is_int(t) for t in x) for x in p):
             prompts = [list(x) for x in p]
         else:
             prompts = []

@@ -143,11 +143,11 @@ def build_engine(cfg: Config) -> tuple[Engine, list[WorkerHandle], Any]:
 def _local_workers(cfg: Config) -> tuple[WorkerHandle, WorkerHandle | None, dict, Any, list[WorkerHandle]]:
     """The workers in this process, each behind a LocalHandle: (target, draft or None, target info, tokenizer,
     handles)."""
+    from ssd.launch.placement import local_cores
     from ssd.workers.draft_worker import DraftWorker
     from ssd.workers.target_worker import TargetWorker
 
-    cfg.check_cores_exist(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
-                          list(range(os.cpu_count() or 1)))
+    cfg.check_cores_exist(local_cores())
     max_slots = cfg.max_batch
     target_w = TargetWorker(
         cfg.target, dtype=cfg.dtype, device=cfg.device, max_slots=max_slots, max_len=cfg.max_len,

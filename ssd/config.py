@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ssd.sampling_params import is_int
 from ssd.workers.draft_worker import CANDIDATE_VOCABS
 from ssd.workers.loader.load import native_quantization
 from ssd.workers.models.dense import LINEAR_KERNELS
@@ -106,21 +107,21 @@ class Config:
             raise ValueError(f"mode {self.mode!r} needs a draft model (draft=...)")
         if self.backup not in BACKUPS:
             raise ValueError(f"unknown backup {self.backup!r}; choose from {', '.join(BACKUPS)}")
-        if self.k is not None and not (_is_int(self.k) and 1 <= self.k <= 32):
+        if self.k is not None and not (is_int(self.k) and 1 <= self.k <= 32):
             raise ValueError(f"k must be an integer in 1..32, got {self.k!r}")
         f = self.fanout
         if isinstance(f, list):
-            if not f or not all(_is_int(x) and x >= 0 for x in f) or sum(f) < 1:
+            if not f or not all(is_int(x) and x >= 0 for x in f) or sum(f) < 1:
                 raise ValueError(f"fanout as a list gives F_0..F_K: integers >= 0 with a positive sum, got {f!r}")
             if self.k is not None and len(f) != self.k + 1:
                 raise ValueError(f"fanout lists F_0..F_K: {self.k + 1} entries for k={self.k}, got {len(f)}")
             if self.k is None:
                 self.k = len(f) - 1  # the list fixes K
-        elif f is not None and not (_is_int(f) and f >= 1):
+        elif f is not None and not (is_int(f) and f >= 1):
             raise ValueError(f"fanout must be a budget B >= 1, a list F_0..F_K or None, got {f!r}")
         if self.fanout_kind not in FANOUT_KINDS:
             raise ValueError(f"fanout_kind must be one of {', '.join(FANOUT_KINDS)}, got {self.fanout_kind!r}")
-        if not (_is_int(self.ngram_max) and self.ngram_max >= 1):
+        if not (is_int(self.ngram_max) and self.ngram_max >= 1):
             raise ValueError(f"ngram_max must be an integer >= 1, got {self.ngram_max!r}")
         if not 0.0 <= self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
@@ -191,7 +192,7 @@ class Config:
         cores = getattr(self, name)
         if cores is None:
             return
-        if not isinstance(cores, (list, tuple)) or not cores or not all(_is_int(c) and c >= 0 for c in cores):
+        if not isinstance(cores, (list, tuple)) or not cores or not all(is_int(c) and c >= 0 for c in cores):
             raise ValueError(f"{name} must be a non-empty list of core ids, got {cores!r}")
         setattr(self, name, list(cores))
 
@@ -201,10 +202,6 @@ class Config:
             missing = sorted(set(getattr(self, name) or ()) - set(available))
             if missing:
                 raise ValueError(f"{name}: cores {missing} are not among this process's cores {sorted(available)}")
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def auto_quantization(target: Any, device: str) -> str | None:

@@ -10,7 +10,8 @@ MIN_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
+    """An int that is not a bool (True passes isinstance(x, int))."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -32,7 +33,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if _is_int(self.stop_token_ids):
+        if is_int(self.stop_token_ids):
             self.stop_token_ids = [self.stop_token_ids]
         t = self.temperature
         if not _is_number(t) or not math.isfinite(t) or t < 0:
@@ -41,18 +42,18 @@ class SamplingParams:
             self.temperature = 0.0
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         self.top_k = min(self.top_k, MAX_TOP_K)  # beyond any vocabulary: the same as no limit, and fits int64
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop = list(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
-            not _is_int(t) or t < 0 for t in self.stop_token_ids
+            not is_int(t) or t < 0 for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)

@@ -221,8 +221,8 @@ def ref_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     x32 = torch.where(bad[..., None], torch.zeros_like(x32), x32)
     dx = x32.abs().amax(dim=-1) / 127.0  # [M, K/32]
     inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
-    dx = torch.where(torch.isfinite(inv), dx, torch.zeros_like(dx))
-    inv = torch.where(torch.isfinite(inv), inv, torch.zeros_like(inv))
+    tiny = ~torch.isfinite(inv)  # 1 / dx overflowed: the block counts as zero
+    dx, inv = dx.masked_fill(tiny, 0.0), inv.masked_fill(tiny, 0.0)
     xq = (x32 * inv[..., None]).round()  # round half to even, like the kernel's vroundps
     dx = torch.where(bad, torch.full_like(dx, float("nan")), dx)
     sx = dx * xq.sum(dim=-1)

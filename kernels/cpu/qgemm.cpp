@@ -887,8 +887,9 @@ inline void quantize_block(const void* x, int x_bf16, size_t at, int8_t* q_out, 
     const float amax = _mm_cvtss_f32(h);
     const bool bad = _mm256_movemask_ps(nan) != 0 || !std::isfinite(amax);
     float d = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
-    if (!bad && d != 0.0f && !std::isfinite(1.0f / d)) d = 0.0f;
-    const __m256 id = _mm256_set1_ps(!bad && d != 0.0f ? 1.0f / d : 0.0f);
+    float inv = bad || d == 0.0f ? 0.0f : 1.0f / d;
+    if (!std::isfinite(inv)) d = inv = 0.0f;  // too small for 1 / d: the block counts as zero
+    const __m256 id = _mm256_set1_ps(inv);
     if (bad)
         for (int j = 0; j < 4; ++j) v[j] = _mm256_setzero_ps();  // q = 0: no INT_MIN from converting NaN
     __m256i q[4];
