@@ -10,7 +10,8 @@ draft-model decoding on the same GGUF files and prompts, all cores (--llama-cpp 
 
     python benchmarks/bench.py --quick
     python benchmarks/bench.py --modes ar,sd,ngram,ssd,auto --n-humaneval 20 --n-mtbench 20
-    python benchmarks/bench.py --modes ar,auto --placements b --raw-humaneval --llama-cpp ~/llama.cpp/build/bin
+    python benchmarks/bench.py --modes ar,auto --placements b --raw-humaneval --quantization w4a8 --draft-vocab 32768 \
+        --llama-cpp ~/llama.cpp/build/bin
 """
 
 from __future__ import annotations

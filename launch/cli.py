@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -52,6 +53,15 @@ def _fanout(s: str) -> int | list[int]:
     return parts[0] if len(parts) == 1 and "," not in s else parts
 
 
+def _timeout(s: str) -> float:
+    if s.strip().lower() in ("none", "inf", "off"):
+        return math.inf  # Config: no timeout
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'none', got {s!r}") from None
+
+
 def _gpus(s: str) -> list[int]:
     try:
         ids = [int(x) for x in s.split(",") if x.strip()]
@@ -86,9 +96,9 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                    help="with --draft-vocab, the ids SSD ranks its candidate outcomes over (default: draft)")
     g.add_argument("--draft-lookahead", type=int,
                    help="prompt-lookup guesses a greedy draft checks per forward (default 3; 0: off)")
-    g.add_argument("--draft-timeout", dest="draft_timeout_s", type=float,
+    g.add_argument("--draft-timeout", dest="draft_timeout_s", type=_timeout,
                    help="seconds before an unanswered draft call counts as a hung draft, replaced while decoding "
-                        "goes on without it (default 60)")
+                        "goes on without it (default 60; 'none' waits forever)")
     g.add_argument("--no-draft-gate", dest="draft_gate", action="store_false", default=None,
                    help="greedy drafts always run to K instead of stopping where the draft is unsure")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "bf16", "fp32"), help="weights dtype")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -30,7 +31,13 @@ log = logging.getLogger("ssd")
 
 TOLERANCE = 0.15  # a re-timed forward further than this from its stored time invalidates the entry
 FORMAT = 1  # bump when AutoConfig or the measurements change meaning
-_KERNEL_SOURCES = Path(__file__).resolve().parent.parent / "kernels" / "cpu"
+
+
+def kernel_sources() -> Path:
+    """The CPU kernels' source folder: `kernels/cpu` in a checkout, `ssd/kernels/cpu` in an installed wheel."""
+    spec = importlib.util.find_spec("ssd.kernels.cpu")
+    assert spec is not None and spec.origin is not None, "ssd.kernels.cpu is part of the package"
+    return Path(spec.origin).parent
 
 
 def cache_dir() -> Path | None:
@@ -61,7 +68,7 @@ def machine() -> dict[str, str]:
     flags = cpu.pop("flags", "")
     described = " / ".join(cpu[k] for k in ("model name", "cpu family", "model") if k in cpu) or cpu["name"]
     digest = hashlib.sha256()
-    for f in sorted(_KERNEL_SOURCES.glob("*")):
+    for f in sorted(kernel_sources().glob("*")):
         if f.suffix in (".cpp", ".h", ".py"):
             digest.update(f.name.encode() + f.read_bytes())
     # the environment that picks the compiled library (kernels/cpu): instruction set and compiler

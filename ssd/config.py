@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +117,9 @@ class Config:
                 raise ValueError(f"fanout as a list gives F_0..F_K: integers >= 0 with a positive sum, got {f!r}")
             if self.k is not None and len(f) != self.k + 1:
                 raise ValueError(f"fanout lists F_0..F_K: {self.k + 1} entries for k={self.k}, got {len(f)}")
+            if len(f) < 2:
+                raise ValueError(f"fanout as a list gives F_0..F_K with K >= 1: at least 2 entries, got {f!r} "
+                                 "(a budget B is a plain integer)")
             if self.k is None:
                 self.k = len(f) - 1  # the list fixes K
         elif f is not None and not (is_int(f) and f >= 1):
@@ -144,6 +149,11 @@ class Config:
         t = self.draft_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise ValueError(f"draft_timeout_s must be a number of seconds > 0 or None, got {t!r}")
+        if t is not None and math.isinf(t):
+            self.draft_timeout_s = None  # waits forever (a future's wait cannot take an infinite timeout)
+        elif t is not None and t > threading.TIMEOUT_MAX:
+            raise ValueError(f"draft_timeout_s must be at most {threading.TIMEOUT_MAX:.0f} s, or None (or inf) to "
+                             f"wait forever, got {t!r}")
         for name in ("target_cores", "draft_cores"):
             self._check_cores(name)
         if not (isinstance(self.max_batch, int) and self.max_batch >= 1):

@@ -3,6 +3,7 @@ measured again when it does not, keyed by what sets them, and never in the way o
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 from test_borrow_cores import TimedHandle
@@ -81,6 +82,12 @@ def test_the_machine_key_sees_the_kernel_build(monkeypatch):
     monkeypatch.setenv("SSD_CPU_ISA", "avx2")
     assert acc.machine()["kernels"] != base["kernels"]  # another compiled library prices forwards differently
     assert {"cpu", "cpu_flags", "cpus"} <= set(base)
+    # the key hashes the kernels' sources wherever the package lives (an installed wheel: ssd/kernels/cpu)
+    import ssd.kernels.cpu as cpu_kernels
+
+    sources = acc.kernel_sources()
+    assert sources == Path(cpu_kernels.__file__).parent
+    assert {"qgemm.cpp", "decoder_layer.cpp"} <= {f.name for f in sources.glob("*.cpp")}
 
 
 def test_no_key_or_cache_off_always_measures(cache, monkeypatch):

@@ -258,6 +258,22 @@ def test_borrow_flag():
               "--no-core-loans")["core_loans"] is False
 
 
+def test_draft_timeout_flag():
+    """--draft-timeout takes seconds, or 'none' for no timeout (Config turns infinity into None)."""
+    from ssd.config import Config
+    from ssd.launch.cli import config_kwargs, serve_parser
+
+    def kw(*argv: str) -> dict:
+        return config_kwargs(serve_parser().parse_args(list(argv)))
+
+    assert kw("--draft-timeout", "2.5")["draft_timeout_s"] == 2.5
+    for off in ("none", "inf"):
+        t = kw("--draft-timeout", off)["draft_timeout_s"]
+        assert Config(target="t", draft="d", draft_timeout_s=t).draft_timeout_s is None
+    with pytest.raises(SystemExit):
+        kw("--draft-timeout", "soon")
+
+
 def test_quantization_flags():
     """--quantization / --draft-quantization take every mode the engine does (the CLI lists them without torch)."""
     from ssd.launch.cli import QUANTIZATIONS, config_kwargs, serve_parser

@@ -222,6 +222,8 @@ def test_speculation_options_are_checked(kwargs, match):
 
 def test_an_explicit_fanout_list_fixes_k_and_tensor_parallel_implies_ray():
     assert Config(target="t", draft="d", mode="ssd", fanout=[2, 1, 1]).k == 2
+    with pytest.raises(ValueError, match="at least 2 entries"):  # K = 0 would fail only once the models load
+        Config(target="t", draft="d", mode="ssd", fanout=[4])
     tp = Config(target="t", mode="sd", draft="d", extra={"target_tp": 2})
     assert tp.use_ray is True and not tp.ray_by_default  # its ranks are actors: no in-process fallback
     with pytest.raises(ValueError, match="needs use_ray"):

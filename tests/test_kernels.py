@@ -411,6 +411,31 @@ def test_cuda_kernels_compile(tmp_path):
         assert "warning" not in res.stderr.lower(), res.stderr
 
 
+def test_cupy_that_cannot_compile_is_not_available(monkeypatch):
+    """A cupy without a working compiler imports fine; the kernels must then count as unavailable (the torch
+    path verifies) rather than fail every verification."""
+
+    class BrokenModule:
+        def __init__(self, **kw):
+            pass
+
+        def get_function(self, name):
+            raise RuntimeError("nvrtc: library not found")
+
+    class FakeCupy:
+        RawModule = BrokenModule
+
+    monkeypatch.setattr(kcuda.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kcuda, "_cupy", lambda: FakeCupy)
+    for f in (kcuda._module, kcuda._compiles):
+        f.cache_clear()
+    try:
+        assert not kcuda.available()
+    finally:
+        for f in (kcuda._module, kcuda._compiles):
+            f.cache_clear()
+
+
 @pytest.mark.skipif(not kcuda.available(), reason="needs torch.cuda and cupy")
 @pytest.mark.parametrize("V", [50, 1000, 1003, 4099])
 def test_cuda_matches_torch(V):

@@ -93,3 +93,7 @@ def test_draft_timeout_option_is_checked():
         with pytest.raises(ValueError, match="draft_timeout_s"):
             Config(target="t", draft="d", draft_timeout_s=bad)
     assert Config(target="t", draft="d", draft_timeout_s=None).draft_timeout_s is None
+    # infinity means no timeout: a future's wait cannot take it (every call would count as a lost draft)
+    assert Config(target="t", draft="d", draft_timeout_s=float("inf")).draft_timeout_s is None
+    with pytest.raises(ValueError, match="at most"):
+        Config(target="t", draft="d", draft_timeout_s=1e12)

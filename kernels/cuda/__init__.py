@@ -12,12 +12,15 @@ summation order of the final inverse-CDF sample (a block scan instead of a seque
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BLOCK", "available", "cu_path", "cu_source", "verify_greedy_cuda", "verify_rejection_cuda"]
 
@@ -45,8 +48,19 @@ def _cupy() -> Any:
 
 
 def available() -> bool:
-    """True when the CUDA path can be used (cupy imports and torch sees a GPU)."""
-    return torch.cuda.is_available() and _cupy() is not None
+    """True when the CUDA path can be used: cupy imports, torch sees a GPU and the kernels compile (a cupy
+    without a working NVRTC imports fine, and would fail every verification instead)."""
+    return torch.cuda.is_available() and _cupy() is not None and _compiles()
+
+
+@functools.cache
+def _compiles() -> bool:
+    try:
+        _module().get_function("ssd_verify_greedy")
+    except Exception as e:  # any compiler or driver error: verification takes the torch path
+        log.warning("the CUDA verify kernels did not compile (%s); verification uses the torch path", e)
+        return False
+    return True
 
 
 @functools.cache

@@ -28,8 +28,9 @@ class RoundStats:
     policy: Counter = field(default_factory=Counter)
     hits_per_k: Counter = field(default_factory=Counter)
     misses_per_k: Counter = field(default_factory=Counter)
-    # SSD outcomes by what the verified speculation came from ("primary": a cache hit's draft, "neural" / "fast":
-    # a backup's) and by the budget B the draft spent on the next round's candidates: (kind, hit) -> rounds
+    # SSD outcomes by what the verified speculation came from ("primary": a neural draft not made after a miss,
+    # i.e. a cache hit's or a just-in-time one where nothing was prepared; "neural" / "fast": a miss's backup's)
+    # and by the budget B the draft spent on the next round's candidates: (kind, hit) -> rounds
     by_source: Counter = field(default_factory=Counter)
     by_budget: Counter = field(default_factory=Counter)
     # The policy's verification prices against the measured times: |predicted - measured| / measured

@@ -224,6 +224,8 @@ class SSDMode(DraftBackedMode):
         choice = self.last_choice
         if choice not in self.last_scores or (choice.startswith("ssd") and self._prepared < 1.0):
             return
+        if choice == "sd" and self._prepared >= 1.0:  # it verified prepared drafts: no draft call to price
+            return
         if self._round_lag and choice == "sd":
             seconds -= self.cost.backlog_time(self._round_lag, lent=True)
             if seconds <= 0:
@@ -263,7 +265,7 @@ class SSDMode(DraftBackedMode):
         except DraftLost as lost:
             self.current.clear()
             if lost.outcomes is not None:  # the target verified this round; only the draft side failed
-                self._record(seqs, lost.drafts, lost.outcomes, "ssd")
+                self._record(seqs, lost.drafts, lost.outcomes, self.last_choice)
                 return lost.outcomes
             return self._ar_round(seqs)
 
@@ -284,7 +286,8 @@ class SSDMode(DraftBackedMode):
                 self.current[s.seq_id] = (self._fast_backup(s, [], self.draft_len(s)), None, "backup")
         elif missing:  # just-in-time neural drafts (first round, or after an SD / AR round)
             t0 = time.perf_counter()
-            fo = [self.planner.plan(s.seq_id, "primary") for s in missing]
+            # Saguaro sampling only where an outcome cache follows: an SD round's draft is verified and done.
+            fo = None if choice == "sd" else [self.planner.plan(s.seq_id, "primary") for s in missing]
             k = self._sd_k if choice == "sd" else None
             stop = 0.0
             if choice == "sd" and self.gate:
@@ -302,6 +305,9 @@ class SSDMode(DraftBackedMode):
         drafts = [self.current[s.seq_id][0] for s in seqs]
         q_draft = [self.current[s.seq_id][1] for s in seqs]
         sources = [self.current[s.seq_id][2] for s in seqs]
+        # The suffix length each point draft matched, read now: the round's fast backups overwrite _match
+        # with the next drafts' lookups before this round's acceptance is recorded.
+        matches = [self._match.get(s.seq_id) if d.q_kind == "point" else None for s, d in zip(seqs, drafts)]
         if choice == "sd" or (choice == "ngram" and not self._speculate_on_ngram(drafts)):
             outcomes = self._timed_verify(drafts, q_draft, borrow=self.borrow)
             for o in outcomes:
@@ -312,11 +318,11 @@ class SSDMode(DraftBackedMode):
         if gated_round and self.cost.gated_sd is not None:  # before the round moves the acceptance
             self.cost.gated_sd.observe(self.cost.acceptance.value, [len(d.tokens) for d in drafts],
                                        [len(o.tokens) for o in outcomes])
-        for s, d, o, src in zip(seqs, drafts, outcomes, sources):
+        for s, d, o, src, match in zip(seqs, drafts, outcomes, sources, matches):
             self.planner.observe_round(s.seq_id, src, len(d.tokens), o.num_accepted)
             if d.tokens:
-                if s.seq_id in self._match and d.q_kind == "point":
-                    self.cost.observe_ngram(self._match[s.seq_id], len(d.tokens), o.num_accepted)
+                if match is not None:
+                    self.cost.observe_ngram(match, len(d.tokens), o.num_accepted)
                 else:
                     rate = self.cost.acceptance if d.q_kind != "point" else self.cost.fast_acceptance
                     rate.update(*acceptance_counts(len(d.tokens), o.num_accepted))
@@ -477,6 +483,8 @@ class SSDMode(DraftBackedMode):
         resolve_in = []
         for s, o in zip(seqs, outcomes):
             k_max = max(0, s.remaining - len(o.tokens) - 1)  # a lookahead-extended draft may use up to this
+            if any(t in s.stop_ids for t in o.tokens):  # the request ends with this round: no next draft
+                k_max = 0
             if self.planner.explicit is not None:  # F_0..F_K as given: no candidates for longer drafts
                 k_max = min(k_max, len(self.planner.explicit) - 1)
             resolve_in.append((s.seq_id, o.num_accepted, o.tokens, min(self.k, k_max), k_max))
