@@ -91,7 +91,7 @@ def run_mode(args, mode: str, placement: str, prompts: dict[str, list[str]], tem
             after = llm.stats()
             toks = sum(len(o.token_ids) for o in outs)
             dec_n, dec_t = map(sum, zip(*(decode_part(o) for o in outs), strict=True))
-            rounds = after["rounds"] - before["rounds"]
+            rounds = after["sequence_rounds"] - before["sequence_rounds"]  # tau: tokens per round of a sequence
             drafted = after["drafted_tokens"] - before["drafted_tokens"]
             acc = after["accepted_tokens"] - before["accepted_tokens"]
             hits = {k: after["cache_hits_per_k"].get(k, 0) - before["cache_hits_per_k"].get(k, 0)

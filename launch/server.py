@@ -267,7 +267,7 @@ class _EngineCollector:
         st = self.loop.stats
         for name, key, doc in (
             ("ssd_acceptance_rate", "acceptance_rate", "Fraction of drafted tokens accepted."),
-            ("ssd_tau", "tau", "Mean tokens emitted per decoding round."),
+            ("ssd_tau", "tau", "Mean tokens emitted per decoding round of one sequence."),
             ("ssd_cache_hit_rate", "cache_hit_rate", "SSD speculation-cache hit rate (NaN if n/a)."),
             ("ssd_engine_tokens_per_second", "tokens_per_s", "Emitted tokens per second of engine time."),
         ):
@@ -578,8 +578,7 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
         return err
 
     def default_max_tokens(n_prompt: int) -> int:
-        k = getattr(engine.mode, "k", 0) or 0
-        return max(1, engine.max_len - n_prompt - k - 1)
+        return max(1, engine.max_len - n_prompt)
 
     # -- shared request driver -------------------------------------------------------------------
     async def next_event(queue: asyncio.Queue, request: Request) -> tuple:

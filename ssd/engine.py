@@ -51,7 +51,7 @@ class Engine:
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         return ids
 
@@ -59,12 +59,12 @@ class Engine:
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        # The cache holds prompt + output + one round of speculation.
-        need = len(ids) + params.max_tokens + self.mode.k + 1
-        if need > self.max_len:
+        # Prompt and output fit the target's cache: every draft stops one token short of max_tokens (a round
+        # emits at most its draft + 1), so no verification writes past it, whatever K is (the tuner moves it).
+        if len(ids) + params.max_tokens > self.max_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"length {self.max_len - self.mode.k - 1} of this engine"
+                f"length {self.max_len} of this engine"
             )
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         if params.stop and decode is None:
@@ -159,8 +159,10 @@ class Engine:
             "k": self.mode.k,
             **t,
             "rounds": st.rounds,
+            "sequence_rounds": st.sequence_rounds,
             "acceptance_rate": t["accepted_tokens"] / t["drafted_tokens"] if t["drafted_tokens"] else 0.0,
-            "tau": t["emitted_tokens"] / st.rounds if st.rounds else 0.0,
+            # tokens per round of one sequence (RequestMetrics' tau), not per batch round
+            "tau": t["emitted_tokens"] / st.sequence_rounds if st.sequence_rounds else 0.0,
             "tokens_per_s": t["emitted_tokens"] / self.busy_s if self.busy_s else 0.0,
             "draft_s": st.draft_s,
             "ssd_wait_s": dict(st.ssd_wait),  # SSD rounds' part of draft_s, split (RoundStats.ssd_wait)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +14,23 @@ from ssd.sampling_params import SamplingParams
 from ssd.sequence import Sequence, stable_text_len
 
 log = logging.getLogger("ssd")
+
+
+def _is_token_ids(x: Any) -> bool:
+    """One prompt's token ids: a list or tuple of integers, or a 1-D array / tensor."""
+    if getattr(x, "ndim", None) == 1:
+        return True
+    return isinstance(x, (list, tuple)) and bool(x) and isinstance(x[0], numbers.Integral)
+
+
+def _one_prompt(p: Any) -> str | list[int]:
+    """A prompt as the engine takes it: text, or a list of token ids (numpy / torch integers made ints)."""
+    if isinstance(p, str):
+        return p
+    if not _is_token_ids(p) and not (isinstance(p, (list, tuple)) and not p):
+        raise ValueError(f"a prompt must be a string or a sequence of token ids, got {type(p).__name__}")
+    ids = p.tolist() if hasattr(p, "tolist") else list(p)
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
 
 
 class LLM:
@@ -27,9 +45,14 @@ class LLM:
     def _normalise(
         self, prompts: Any, params: SamplingParams | list[SamplingParams] | None
     ) -> tuple[list[Any], list[SamplingParams]]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
-        prompts = list(prompts)
+        elif getattr(prompts, "ndim", None) == 2:  # a [N, T] array or tensor: N prompts
+            prompts = prompts.tolist()
+        try:
+            prompts = [_one_prompt(p) for p in prompts]
+        except TypeError:
+            raise ValueError("prompts must be a string, a sequence of token ids, or a list of those") from None
         if params is None:
             params = SamplingParams()
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -58,7 +81,7 @@ class LLM:
 
     def stream(self, prompt: Any, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text pieces of one request as they are produced."""
-        seq = self.engine.make_sequence(prompt, params or SamplingParams())
+        seq = self.engine.make_sequence(_one_prompt(prompt), params or SamplingParams())
         self.engine.add(seq)
         sent = 0
         try:

@@ -188,6 +188,8 @@ def test_several_tokens_per_call_equal_one_per_call(sampled):
     assert got[4][3] == len(got[4][1])  # a round per forward
     st1, st4 = got[1][4], got[4][4]
     assert st4["rounds"] == st1["rounds"] and st4["tau"] == st1["tau"]  # batch forwards, counted alike
+    assert st1["tau"] == 1.0  # per round of a sequence: a batch of 4 is not 4 tokens a round
+    assert st1["sequence_rounds"] == st1["emitted_tokens"] > st1["rounds"]
 
 
 def test_ar_steps_is_checked():
@@ -230,3 +232,20 @@ def test_an_explicit_fanout_list_fixes_k_and_tensor_parallel_implies_ray():
         from ssd.build import build_engine
 
         build_engine(Config(target="t", mode="ar", use_ray=False, extra={"target_tp": 2}))
+
+
+def test_token_id_prompts_of_any_sequence_type(llm):
+    """A tuple, a numpy array or a torch tensor of ids is one prompt (a 2-D one, a batch); what is not ids or
+    text is refused with a clear error."""
+    np = pytest.importorskip("numpy")
+    import torch
+
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = llm.generate([[1, 2, 3]], sp)[0].token_ids
+    for p in ((1, 2, 3), np.array([1, 2, 3]), torch.tensor([1, 2, 3]), [np.int64(1), 2, 3]):
+        assert llm.generate(p, sp)[0].token_ids == want, type(p)
+    assert [o.token_ids for o in llm.generate(torch.tensor([[1, 2, 3], [1, 2, 3]]), sp)] == [want, want]
+    assert [o.token_ids for o in llm.generate([(1, 2, 3), np.array([1, 2, 3])], sp)] == [want, want]
+    for bad in (5, [[1.5, 2]], [{"a": 1}], [True, 2]):
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate(bad, sp)

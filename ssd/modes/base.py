@@ -19,7 +19,8 @@ def spec_of(seq: Sequence) -> SamplingSpec:
 
 @dataclass
 class RoundStats:
-    rounds: int = 0
+    rounds: int = 0  # batch rounds (target forwards)
+    sequence_rounds: int = 0  # rounds of each sequence, summed: a batch round of B sequences counts B
     draft_s: float = 0.0  # time on the critical path waiting for drafts
     # SSD rounds' part of draft_s, the wait after the verification: "overrun" (the speculation still running),
     # "backup" (a miss's just-in-time neural draft), "other" (lookup, the resolve round trip, a fast backup).
@@ -84,6 +85,7 @@ class Mode:
 
     def _record(self, seqs: list[Sequence], drafts: list[Draft], outcomes: list[Outcome], policy: str) -> None:
         self.stats.rounds += 1
+        self.stats.sequence_rounds += len(seqs)
         self.stats.policy[policy] += 1
         for seq, d, o in zip(seqs, drafts, outcomes):
             m = seq.metrics
@@ -117,6 +119,7 @@ class ARMode(Mode):
         # Statistics count target forwards as rounds, as with one token per call (tau stays 1).
         extra = [len(o.tokens) - 1 for o in outcomes]
         self.stats.rounds += max(extra, default=0)
+        self.stats.sequence_rounds += sum(extra)
         self.stats.policy["ar"] += max(extra, default=0)
         for seq, e in zip(seqs, extra):
             seq.metrics.rounds += e
