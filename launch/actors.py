@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 import threading
@@ -84,6 +85,19 @@ def _placement() -> dict[str, Any]:
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),  # see launch/placement.py (OpenMP in CPU actors)
     }
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAISED = re.compile(r"\n([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\w*: .*)\Z", re.DOTALL)
+
+
+def creation_error(e: BaseException) -> str | None:
+    """The exception an actor's constructor raised ("ValueError: ..."), from Ray's ActorDiedError, which
+    carries it only as the text of the remote traceback; None for any other death."""
+    if not getattr(e, "actor_init_failed", False):
+        return None
+    m = _RAISED.search(_ANSI.sub("", str(getattr(e, "error_msg", "") or "")))
+    return m.group(1).strip() if m else None
 
 
 def actor_class(worker_cls: type) -> Any:
@@ -235,7 +249,8 @@ class RayHandle:
 
     def _died(self, e: BaseException) -> WorkerDied:
         actor_id = getattr(e, "actor_id", None)
-        return WorkerDied(_ACTOR_NAMES.get(actor_id, self.name) if actor_id else self.name, e)
+        name = _ACTOR_NAMES.get(actor_id, self.name) if actor_id else self.name
+        return WorkerDied(name, e, startup_error=creation_error(e))
 
     def alive(self, timeout: float = 5.0) -> bool:
         try:

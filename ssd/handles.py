@@ -23,12 +23,17 @@ _CUDA_TURN = threading.Lock()  # held by an in-process CUDA worker for the whole
 
 
 class WorkerDied(RuntimeError):
-    """A worker process is gone (killed, crashed, its node died) or cannot be reached."""
+    """A worker process is gone (killed, crashed, its node died) or cannot be reached. `startup_error`: the
+    error its constructor raised, as text, when that is why (a bad setting, a model that cannot load)."""
 
-    def __init__(self, name: str, cause: BaseException | None = None) -> None:
-        super().__init__(f"worker {name!r} died: {cause}")
+    def __init__(self, name: str, cause: BaseException | None = None, startup_error: str | None = None) -> None:
+        if startup_error:
+            super().__init__(f"worker {name!r} failed to start: {startup_error}")
+        else:
+            super().__init__(f"worker {name!r} died: {cause}")
         self.name = name
         self.cause = cause
+        self.startup_error = startup_error
 
 
 class WorkerFuture(Protocol):

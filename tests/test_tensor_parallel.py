@@ -251,3 +251,28 @@ def test_ray_tp2_equals_tp1(ray_local):
         infos = [f.result() for f in llm._handles[0].call_all("info")]
         assert [i["tp_disagreements"] for i in infos] == [0, 0]  # the ranks agreed without help
     assert os.getpid()  # the driver survived; actors are gone with the LLMs
+
+
+@pytest.mark.ray
+def test_ray_tp_degree_that_does_not_divide_the_heads_says_why(ray_local):
+    """A rank's constructor error reaches the user as its own text first, not buried in Ray's traceback."""
+    from ssd import LLM
+    from ssd.handles import WorkerDied
+
+    with pytest.raises(WorkerDied, match=r"failed to start: ValueError: tensor parallelism: num_attention_heads"):
+        LLM(target=random_model(heads=4, kv_heads=2), mode="ar", dtype="float32", max_len=64, use_ray=True,
+            extra={"target_tp": 3})
+
+
+def test_creation_error_text():
+    from ssd.launch.actors import creation_error
+
+    class ActorDied(Exception):
+        actor_init_failed = True
+        error_msg = ("The actor died because of an error raised in its creation task, \x1b[36mray::A.__init__()"
+                     "\x1b[39m (pid=1)\n  File \"x.py\", line 5, in __init__\nValueError: bad tp\nsecond line")
+
+    assert creation_error(ActorDied()) == "ValueError: bad tp\nsecond line"
+    ActorDied.actor_init_failed = False  # a death after start-up: no constructor error to report
+    assert creation_error(ActorDied()) is None
+    assert creation_error(RuntimeError("x")) is None
