@@ -71,16 +71,48 @@ def test_feed_ahead_commits_draft_what_lazy_ones_do(models):
     from ssd.workers.draft_worker import FEED_AHEAD_LAG
 
     emitted = [[7], [2], [9, 4], [1], [5], [3], [8], [6]]
-    results, feeds = [], []
-    for feed_ahead in (True, False):  # no lookahead guesses: the rows counted are the committed ones fed
-        w = DraftWorker(models[1], dtype="float32", max_slots=1, max_len=128, lookahead=0)
-        w.add(0, PROMPT, SamplingSpec(temperature=0))
-        w.propose([(0, K)])
-        for toks in emitted:
-            w.commit(0, toks, feed_ahead)
-        fed = rows_fed(w)
-        drafts, _ = w.propose([(0, K)])
-        feeds.append(fed[0])
-        results.append(drafts[0].tokens)
-    assert results[0] == results[1]
-    assert 1 <= feeds[0] <= FEED_AHEAD_LAG and feeds[1] == 9  # the lazy draft catches up on all 9 at once
+    for model in models:  # the 2-layer one's drafts depend on more of the context
+        results, feeds = [], []
+        for feed_ahead in (True, False):  # no lookahead guesses: the rows counted are the committed ones fed
+            w = DraftWorker(model, dtype="float32", max_slots=1, max_len=128, lookahead=0)
+            w.add(0, PROMPT, SamplingSpec(temperature=0))
+            w.propose([(0, K)])
+            committed = len(PROMPT)
+            for toks in emitted:
+                w.commit(0, toks, feed_ahead)
+                committed += len(toks)
+                st = w.dseqs[0]
+                if feed_ahead:  # every committed token is cached or waits to be fed: none is dropped
+                    assert w.runner.kv.lengths[st.slot] == st.base and st.base + len(st.todo) == committed
+            fed = rows_fed(w)
+            drafts, _ = w.propose([(0, K)])
+            feeds.append(fed[0])
+            results.append(drafts[0].tokens)
+        assert results[0] == results[1]
+        assert 1 <= feeds[0] <= FEED_AHEAD_LAG and feeds[1] == 9  # the lazy draft catches up on all 9 at once
+
+
+def test_a_hit_on_an_entry_that_drafted_nothing_leaves_a_consistent_state(models):
+    """An entry prepared with k_next = 0 never fed t*: its hit must leave t* to feed, so the next draft is the
+    one a fresh worker fed the same tokens makes."""
+    w = DraftWorker(models[1], dtype="float32", max_slots=1, max_len=128)
+    w.add(0, PROMPT, SamplingSpec(temperature=0))
+    x = w.propose([(0, K)])[0][0].tokens
+    w.speculate([SpecRequest(0, 1, x, [0, 0, 0, 2], [1], k_next=0)])
+    k, t = w.cache.keys(0)[0]
+    [res] = w.resolve([(0, k, [*x[:k], t], 0)], neural_backup=False)
+    assert res.hit
+    w.commit(0, [7])
+    got = w.propose([(0, K)])[0][0].tokens
+    fresh = DraftWorker(models[1], dtype="float32", max_slots=1, max_len=128)
+    fresh.add(0, [*PROMPT, *x[:k], t, 7], SamplingSpec(temperature=0))
+    assert got == fresh.propose([(0, K)])[0][0].tokens
+
+
+def test_resolve_without_a_speculation_sees_the_tokens_once(models):
+    """The lookahead's history holds each committed token once (a doubled run would skew its guesses)."""
+    w = DraftWorker(models[1], dtype="float32", max_slots=1, max_len=128)
+    w.add(0, PROMPT, SamplingSpec(temperature=0))
+    x = w.propose([(0, K)])[0][0].tokens
+    w.resolve([(0, 1, [x[0], 11], K)], neural_backup=False)
+    assert w.dseqs[0].history == [*PROMPT, x[0], 11]

@@ -149,3 +149,16 @@ def test_no_next_draft_for_a_request_that_stops_this_round(models, monkeypatch):
     assert asks and any(stop in emitted for emitted, _ in asks)
     for emitted, k_next in asks:
         assert (k_next == 0) == (stop in emitted), asks
+
+
+def test_draft_keeps_its_context_through_ar_rounds(models, monkeypatch):
+    """Without core loans, `auto`'s AR rounds commit to the draft ahead of time (feed_ahead); no committed
+    token may be lost there: with draft == target every SD draft after them is accepted whole."""
+    cycle_policy(monkeypatch, ["ar", "ar", "ar", "sd"])
+    prompts = [[1, 2, 3, 4], [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
+    with LLM(target=models[0], draft=models[0], mode="auto", k=3, core_loans=False, use_ray=False, dtype="float32",
+             max_batch=3, max_len=128) as llm:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        st = llm.stats()
+    assert st["policy"].get("sd", 0) >= 3 and st["policy"].get("ar", 0) >= 9, st["policy"]
+    assert st["drafted_tokens"] > 0 and st["acceptance_rate"] == 1.0

@@ -180,7 +180,8 @@ class DraftWorker(ModelWorker):
             if len(todo) > FEED_AHEAD_LAG:
                 self.runner.forward([st.slot], [todo[:-1]], last_only=True)
                 st.base += len(todo) - 1
-            st.todo = todo[-1:]
+                todo = todo[-1:]
+            st.todo = todo  # what is not cached yet: the next call feeds it
 
     def _see(self, st: DraftSeq, tokens: list[int]) -> None:
         st.history.extend(tokens)
@@ -397,7 +398,8 @@ class DraftWorker(ModelWorker):
     def _branch_guesses(self, st: DraftSeq, r: SpecRequest, branches: list[tuple[int, int]], ys: list[list[int]],
                         live: list[int], next_node: int) -> dict[int, list[int]]:
         """Lookahead guesses for a greedy row's live branches: up to LOOKAHEAD_BRANCHES of them, the most
-        accepted tokens (largest k) first, each at most `lookahead` past k_next and within the cache."""
+        accepted tokens (largest k) first, the branch ending at most LOOKAHEAD_EXTEND x `lookahead` past k_next,
+        and within the cache."""
         if self.lookahead <= 0 or not st.spec.greedy:
             return {}
         # Cache positions left once every live branch's remaining regular nodes (one per step) have theirs
@@ -624,7 +626,8 @@ class DraftWorker(ModelWorker):
         for seq_id, k, emitted, k_next, *more in outcomes:
             k_max = more[0] if more else k_next
             st = self.dseqs[seq_id]
-            self._see(st, emitted)
+            if st.region_start >= 0:  # else commit() below sees the tokens
+                self._see(st, emitted)
             if st.confidence:
                 self.acceptance.observe(st.confidence, k)
             st.drafted, st.tops, st.confidence = [], [], []
@@ -640,9 +643,12 @@ class DraftWorker(ModelWorker):
             if entry is not None and (len(entry.tokens) >= k_next):
                 # Keep x_1..x_k, t*, y_1..y_{K-1}: exactly the state after drafting y normally.
                 self.runner.keep(st.slot, start, entry.path)
-                st.base = start + k + 1
-                st.spec_fed = entry.tokens[: len(entry.path) - k - 1]
-                st.todo = []
+                if len(entry.path) > k:
+                    st.base = start + k + 1
+                    st.spec_fed = entry.tokens[: len(entry.path) - k - 1]
+                    st.todo = []
+                else:  # an entry drafted nothing (k_next 0): t* was never fed
+                    st.base, st.spec_fed, st.todo = start + k, [], [emitted[-1]]
                 y = entry.tokens[:k_max]
                 if entry.tops:
                     st.drafted, st.tops = list(y), entry.tops[: len(y)]
