@@ -137,7 +137,8 @@ class KTuner(_RequestAcceptance):
         return self._best_plain(seq_ids)
 
     def _best_plain(self, seq_ids: Sequence[int]) -> int:
-        return _choose_sd(self.t_verify, self.t_draft1 * self.draft_scale, self.acceptance_of(seq_ids))
+        return _choose_sd(self.t_verify, self.t_draft1 * self.draft_scale, self.acceptance_of(seq_ids),
+                          batch=max(1, len(seq_ids)))
 
     def stop_below(self, k: int, seq_ids: Sequence[int]) -> float:
         """The price of one more forward of a gated draft (up to k tokens) in expected accepted tokens of one
@@ -244,7 +245,7 @@ class SSDTuner(_RequestAcceptance):
         hit_rate = None if ranked is None else lambda b: ranked.hit_rate(b, seq_ids)
         return _choose_ssd(self.t_verify, self.t_chain, self.t_branch, self.acceptance_of(seq_ids),
                            self.verify_scale, self.spec_scale, self.t_fixed, hit_rate=hit_rate,
-                           miss_scale=self.miss_scale)
+                           miss_scale=self.miss_scale, batch=max(1, len(seq_ids)))
 
     def forget(self, seq_id: int) -> None:
         super().forget(seq_id)
@@ -252,8 +253,21 @@ class SSDTuner(_RequestAcceptance):
             self.ranked.forget(seq_id)
 
 
-def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float) -> int:
-    return max(K_CHOICES, key=lambda k: expected_tokens(a, k) / (k * t_draft1 + t_verify[k + 1]))
+def rows_time(t: dict[int, float], n: int) -> float:
+    """A forward of n rows from timings at some row counts: piecewise-linear between them, and past the
+    largest along the last segment's slope (a batch's verification and branches outgrow the one-sequence
+    sizes timed at start-up, and the rows' compute grows with them)."""
+    ns = sorted(t)
+    if len(ns) < 2 or n <= ns[-1]:
+        return interpolate(t, n)
+    lo, hi = ns[-2], ns[-1]
+    return t[hi] + max(0.0, (t[hi] - t[lo]) / (hi - lo)) * (n - hi)
+
+
+def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float, batch: int = 1) -> int:
+    """K for plain SD: a batch verifies batch x (K + 1) tokens in one forward (its draft steps are priced at one
+    row's: memory-bound at the batch sizes SD suits)."""
+    return max(K_CHOICES, key=lambda k: expected_tokens(a, k) / (k * t_draft1 + rows_time(t_verify, batch * (k + 1))))
 
 
 def model_hit_rate(fanout: list[int], a: float, r: float) -> float:
@@ -280,28 +294,34 @@ def feed_time(t_chain: dict[int, float]) -> float | None:
     return max(0.0, (t_chain[ns[-1]] - t_chain[ns[0]]) / (ns[-1] - ns[0]))
 
 
-def spec_time(t_chain: dict[int, float], t_branch: dict[int, float], k: int, b: int) -> float:
-    """Start-up estimate of one round's speculation: score the K + 1 chain tokens, then K steps of b branches."""
-    return t_chain[k + 1] + k * t_branch[b]
+def spec_time(t_chain: dict[int, float], t_branch: dict[int, float], k: int, b: int, batch: int = 1) -> float:
+    """Start-up estimate of one round's speculation: score the K + 1 chain tokens, then K steps of b branches,
+    for each of `batch` sequences in the same forwards."""
+    if batch == 1:
+        return t_chain[k + 1] + k * t_branch[b]
+    return rows_time(t_chain, batch * (k + 1)) + k * rows_time(t_branch, batch * b)
 
 
 def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch: dict[int, float],
                 a: float, verify_scale: float = 1.0, spec_scale: float = 1.0, t_fixed: float = 0.0,
-                hit_rate: Callable[[int], float] | None = None, miss_scale: float = 1.0) -> tuple[int, int]:
-    """The (K, B) with the most expected tokens per second; the scales and the fixed per-round cost
+                hit_rate: Callable[[int], float] | None = None, miss_scale: float = 1.0,
+                batch: int = 1) -> tuple[int, int]:
+    """The (K, B) with the most expected tokens per second for a batch of `batch` sequences, which verify
+    batch x (K + 1) tokens and speculate batch x B branches a round; the scales and the fixed per-round cost
     correct the start-up latencies with what rounds actually took (SSDTuner.observe_round_times).
     `hit_rate(B)`: ranked candidates' hit rate (RankedHits), else the geometric quotas' model."""
     best, best_score = (K_CHOICES[0], K_CHOICES[0] + 1), -1.0
     for k in K_CHOICES:
         for b in budgets(k):
-            t_spec = spec_scale * spec_time(t_chain, t_branch, k, b)
+            t_spec = spec_scale * spec_time(t_chain, t_branch, k, b, batch)
             if hit_rate is not None:
                 e_hit = hit_rate(b)
             else:
                 e_hit = model_hit_rate(geometric_fanout(a, PRIOR_R, k, b), a, PRIOR_R)
-            # a miss costs a just-in-time draft of k steps on top of the round
-            t_miss = miss_scale * k * t_branch[1]
-            t_round = max(verify_scale * t_verify[k + 1], t_spec) + t_fixed + (1 - e_hit) * t_miss
+            # a miss of any sequence costs a just-in-time draft of k steps on top of the round
+            t_miss = miss_scale * k * rows_time(t_branch, batch)
+            t_verify_k = verify_scale * rows_time(t_verify, batch * (k + 1))
+            t_round = max(t_verify_k, t_spec) + t_fixed + (1 - e_hit ** batch) * t_miss
             score = expected_tokens(a, k) / t_round
             if score > best_score:
                 best, best_score = (k, b), score

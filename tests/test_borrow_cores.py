@@ -474,8 +474,11 @@ def test_sd_rounds_that_fed_a_backlog_calibrate_without_it():
     def mode(choice: str, lag: int) -> SimpleNamespace:
         c = CostModel()
         c.verify, c.feed, c.draft_lend = VerifyLine(Ema(0.10), Ema(0.02)), Ema(0.004), 0.5
-        return SimpleNamespace(last_choice=choice, last_scores=dict.fromkeys(("sd", "ssd_neural"), 1.0), _prepared=1.0,
-                               _round_lag=lag, cost=c, _sd_k=3, _round_k=3, _ngram_k=3, _missed=0.0, gate=False)
+        # an SD round drafts (nothing prepared); an SSD one verifies a prepared speculation
+        prepared = 0.0 if choice == "sd" else 1.0
+        return SimpleNamespace(last_choice=choice, last_scores=dict.fromkeys(("sd", "ssd_neural"), 1.0),
+                               _prepared=prepared, _round_lag=lag, cost=c, _sd_k=3, _round_k=3, _ngram_k=3,
+                               _missed=0.0, gate=False)
 
     seqs = [object()]
     m = mode("sd", 20)

@@ -595,3 +595,27 @@ def test_the_policy_and_the_k_tuner_start_from_one_acceptance_prior():
     from ssd.autoconfig import PRIOR_ACCEPTANCE
 
     assert policy.CostModel().acceptance.value == PRIOR_ACCEPTANCE == policy.ACCEPTANCE_PRIOR
+
+
+def test_tuners_price_the_batch_they_choose_for():
+    """A batch of n verifies n x (K + 1) tokens and speculates n x B branches a round: on a CPU-like line
+    (verification growing with its tokens) the tuners pick shorter drafts and smaller budgets for a batch,
+    and the tuners' choice for n sequences is the model's at batch n (one sequence: unchanged)."""
+    from ssd.autoconfig import KTuner, SSDTuner, _choose_sd, _choose_ssd, rows_time
+
+    cpu_verify = {n: 0.030 + 0.006 * n for n in [1, *range(2, 10)]}
+    chain = {n: 0.010 + 0.002 * n for n in range(1, 10)}
+    branch = {n: 0.008 + 0.001 * n for n in range(1, 37)}
+    assert rows_time(cpu_verify, 40) == pytest.approx(0.030 + 0.006 * 40)  # the line extended past its knots
+    assert rows_time(branch, 100) == pytest.approx(0.008 + 0.001 * 100)
+    a = 0.8
+    one, four = (_choose_ssd(cpu_verify, chain, branch, a, batch=n) for n in (1, 4))
+    assert four[0] <= one[0] and four[1] < one[1], (one, four)
+    tuner = SSDTuner(t_verify=cpu_verify, t_chain=chain, t_branch=branch)
+    assert tuner.choose([1]) == _choose_ssd(cpu_verify, chain, branch, tuner.acceptance_of([1]))
+    ids = [1, 2, 3, 4]
+    assert tuner.choose(ids) == _choose_ssd(cpu_verify, chain, branch, tuner.acceptance_of(ids), batch=4)
+    k1, k8 = (_choose_sd(cpu_verify, 0.004, a, batch=n) for n in (1, 8))  # 3 and 2
+    assert k8 < k1, (k1, k8)
+    sd = KTuner(t_verify=cpu_verify, t_draft1=0.004)
+    assert sd.choose(list(range(8))) == _choose_sd(cpu_verify, 0.004, sd.acceptance_of(list(range(8))), batch=8)
