@@ -101,3 +101,31 @@ def _pearson_pvalue(samples: list[tuple], probs: dict[tuple, float], min_expecte
 
 def all_sequences(V: int, n: int) -> list[tuple]:
     return list(itertools.product(range(V), repeat=n))
+
+
+def token_rank_pvalue(model, events: list[tuple[list[int], list[int]]], params: SamplingParams,
+                      min_expected: float = 5.0) -> tuple[float, int]:
+    """Tokens that must each follow the target's distribution given everything before them, where their
+    continuations are too many to enumerate: each event (prefix, tokens) says tokens[j] ~ p(. | prefix +
+    tokens[:j]). Each token is recorded by its rank under that p (most likely first); a Pearson chi-square
+    compares the rank counts with the sum of the ranked probabilities. Returns (p-value, tokens tested)."""
+    V = model.config.vocab_size
+    runner = ModelRunner(model, max_slots=1, max_len=256)
+    expected, observed, m = np.zeros(V), np.zeros(V), 0
+    temp, top_k, top_p = (torch.tensor([x]) for x in (params.temperature, params.top_k, params.top_p))
+    for prefix, toks in events:
+        s = runner.allocate()
+        logits = runner.forward([s], [prefix + toks])[0]  # [len(prefix) + len(toks), V]
+        runner.free(s)
+        for j, tok in enumerate(toks):
+            p = filter_logits(logits[len(prefix) - 1 + j][None], temp, top_k, top_p)[0].double()  # [V]
+            order = torch.sort(p, descending=True, stable=True).indices
+            expected += p[order].numpy()
+            observed[int((order == tok).nonzero())] += 1
+            m += 1
+    keep = expected >= min_expected
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue), m

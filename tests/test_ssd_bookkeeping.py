@@ -2,6 +2,7 @@
 match, SD's calibration from rounds that drafted, no Saguaro drafts where no speculation follows, and no
 next draft for a request that ends this round."""
 
+import pytest
 from test_ssd_engine import cycle_policy
 from tiny_models import random_model
 
@@ -162,3 +163,17 @@ def test_draft_keeps_its_context_through_ar_rounds(models, monkeypatch):
         st = llm.stats()
     assert st["policy"].get("sd", 0) >= 3 and st["policy"].get("ar", 0) >= 9, st["policy"]
     assert st["drafted_tokens"] > 0 and st["acceptance_rate"] == 1.0
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_drafts_stop_one_token_short_of_max_tokens(models, mode):
+    """A round emits at most its draft + 1 tokens, so a draft never runs to max_tokens: a token drafted there
+    would be verified only to be cut, and counted in the acceptance statistics."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(target=models[0], draft=models[0], mode=mode, k=4, dtype="float32", max_batch=4, max_len=64,
+             use_ray=False) as llm:
+        outs = llm.generate([[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]], params)
+    for o in outs:  # draft == target: every drafted token accepted, so each round emits its draft + 1, none cut
+        m = o.metrics
+        assert len(o.token_ids) == 3 and m["accepted_tokens"] == m["drafted_tokens"] > 0, m
+        assert m["emitted_tokens"] == m["drafted_tokens"] + m["rounds"], m

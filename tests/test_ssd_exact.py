@@ -152,3 +152,56 @@ def test_negative_control_shipped_q_unlike_the_sampled_one_is_caught(target, dra
     p, _ = run_case(target, draft, SamplingParams(temperature=1.0), seed=len("neural_c05"), k=2, backup="neural",
                     saguaro_c=0.5)
     assert p < 1e-3, f"the test failed to catch a q unlike the sampled one (p={p:.2e})"
+
+
+def hit_round_events(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """(context, tokens) of every SSD round that verified a draft from the outcome cache (not a request's
+    first, just-in-time draft): the tokens it emitted, each of which must follow p given what precedes it."""
+    import ssd.modes.ssd as ssd_mode
+
+    events: list[tuple[list[int], list[int]]] = []
+    ssd_round = ssd_mode.SSDMode._ssd_round
+
+    def spy(self, seqs, drafts, q_draft, sources, neural):
+        outcomes = ssd_round(self, seqs, drafts, q_draft, sources, neural)
+        for s, d, src, o in zip(seqs, drafts, sources, outcomes):
+            if src == "primary" and d.tokens and s.output_ids:
+                events.append((s.prompt_ids + s.output_ids, list(o.tokens[: s.remaining])))
+        return outcomes
+
+    monkeypatch.setattr(ssd_mode.SSDMode, "_ssd_round", spy)
+    return events
+
+
+def run_hit_rounds(target, monkeypatch, saguaro_c: float) -> tuple[float, int, int]:
+    """Long enough requests (8 tokens, K = 3) that cache hits carry drafts of up to 3 tokens, each sampled from
+    its own branch's q; draft == target so most rounds hit. Returns (p-value, tokens tested, tokens after a
+    hit draft's first)."""
+    from exactness import token_rank_pvalue
+
+    events = hit_round_events(monkeypatch)
+    params = SamplingParams(temperature=1.0)
+    with LLM(target=target, draft=target, mode="ssd", k=3, backup="neural", saguaro_c=saguaro_c, dtype="float32",
+             max_batch=64, max_len=96, use_ray=False) as llm:
+        sample_continuations(llm, PROMPT, 8, params, 1500, seed=7)
+    p, m = token_rank_pvalue(target, events, params)
+    return p, m, sum(max(0, len(t) - 1) for _, t in events)
+
+
+@pytest.mark.parametrize("saguaro_c", [0.0, 0.5])
+def test_multi_token_cache_hit_drafts_are_exact(target, monkeypatch, saguaro_c):
+    """Every token of a cache hit's draft was sampled from its branch's q at its own depth: the tokens those
+    rounds emit follow p token by token (the enumerated tests' 3-token requests leave hits 1 token at most)."""
+    p, tested, later = run_hit_rounds(target, monkeypatch, saguaro_c)
+    assert tested > 3000 and later > 1500, (tested, later)
+    assert p > 1e-3, p
+
+
+def test_negative_control_a_hit_draft_shipped_with_its_first_q_is_caught(target, monkeypatch):
+    """The same check catches a speculation that ships every token of a branch with the first token's q."""
+    import ssd.workers.draft_worker as draft_worker
+
+    stack_q = draft_worker.stack_q
+    monkeypatch.setattr(draft_worker, "stack_q", lambda rows, V: stack_q([rows[0]] * len(rows) if rows else rows, V))
+    p, _, later = run_hit_rounds(target, monkeypatch, 0.0)  # C = 0: each depth's q far from the first's
+    assert later > 1500 and p < 1e-6, (p, later)
