@@ -55,9 +55,9 @@ class APIError(Exception):
 
 
 def _error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                    type_: str | None = None) -> JSONResponse:
+                    type_: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse(APIError(status, message, param, code, type_).body(), status_code=status)
+    return JSONResponse(APIError(status, message, param, code, type_).body(), status_code=status, headers=headers)
 
 
 # -- the engine thread -----------------------------------------------------------------------------
@@ -323,12 +323,24 @@ class Metrics:
 
 
 # -- request parsing -------------------------------------------------------------------------------
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
+MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413) before it is read whole
+
+
+async def _json_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
+    too_large = APIError(413, f"the request body is larger than {max_bytes} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, a huge integer, deep nesting
+        raise APIError(400, f"malformed JSON body: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
@@ -339,7 +351,7 @@ DISCONNECT_CHECK_S = 1.0  # and one receiving tokens, at most this often
 
 # OpenAI fields that would change the output, accepted only at their "off" values (None: absent).
 _UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),  # and not 0 (below): legacy completions return logprobs at 0
     "top_logprobs": (None, 0),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
@@ -372,6 +384,8 @@ def _sampling(body: dict, max_tokens_key: tuple[str, ...]) -> tuple[dict, bool]:
     for key, off in _UNSUPPORTED_FIELDS.items():
         if body.get(key) not in off:
             raise APIError(400, f"{key} is not supported", param=key)
+    if body.get("logprobs") == 0 and body.get("logprobs") is not False:  # legacy completions: 0 asks for them
+        raise APIError(400, "logprobs is not supported", param="logprobs")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise APIError(400, "response_format is not supported (only {\"type\": \"text\"})", param="response_format")
@@ -545,7 +559,7 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
     async def _http_error(request: Request, exc: StarletteHTTPException):
         count(request.url.path, exc.status_code)
         code = "not_found" if exc.status_code == 404 else None
-        return _error_response(exc.status_code, str(exc.detail), code=code)
+        return _error_response(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -715,13 +729,22 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
                                 status_code=503)
         return {"status": "ok", "model": model_name, "running": loop_.running, "waiting": loop_.waiting}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "ssd",
+                "max_model_len": engine.max_len}
+
     @app.get("/v1/models")
     async def models():
         count("/v1/models", 200)
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "ssd",
-            "max_model_len": engine.max_len,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        count("/v1/models", 200)
+        return model_card()
 
     @app.get("/metrics")
     async def prom():
@@ -738,7 +761,8 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
         kw.setdefault("max_tokens", 16)  # the OpenAI default for completions
         params = _make_params(kw)
         stream, include_usage = _stream_flags(body)
-        seqs = [make_seq(p, params, "prompt") for p in prompts]
+        # Tokenising a long prompt takes a while: off the event loop, which serves the other streams meanwhile
+        seqs = await asyncio.to_thread(lambda: [make_seq(p, params, "prompt") for p in prompts])
         rid = f"cmpl-{uuid.uuid4().hex}"
         tracks, queue = start_tracks(seqs)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
@@ -794,7 +818,7 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
         except Exception as e:  # template errors (e.g. roles must alternate) are the caller's
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         try:
-            ids = engine.encode(text)
+            ids = await asyncio.to_thread(engine.encode, text)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         if not given:

@@ -160,6 +160,12 @@ class Config:
             raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         if not (isinstance(self.max_len, int) and self.max_len >= 2):
             raise ValueError(f"max_len must be an integer >= 2 (tokens of context), got {self.max_len!r}")
+        if self.k is None and self.draft is not None and self.mode in ("sd", "ssd", "auto"):
+            from ssd.autoconfig import K_CHOICES  # auto-configuration times forwards of up to max(K) + 1 tokens
+
+            if self.max_len < max(K_CHOICES) + 2:
+                raise ValueError(f"max_len {self.max_len} is too short to auto-configure k (it times drafts of up "
+                                 f"to {max(K_CHOICES)} tokens): use max_len >= {max(K_CHOICES) + 2} or give k")
         if not (isinstance(self.ar_steps, int) and 1 <= self.ar_steps <= 64):
             raise ValueError(f"ar_steps must be an integer in 1..64, got {self.ar_steps!r}")
         if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):

@@ -367,8 +367,9 @@ def gate_price(rate: float, draft_step: float, row: float, batch: int) -> float:
 
 
 def best_draft_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
-    """The draft length (1..k_max) with the fewest expected seconds per token when drafting is free."""
-    return min(range(1, k_max + 1), key=lambda k: cost.verify_time(batch * (k + 1)) / expected_tokens(a, k))
+    """The draft length (1..k_max) with the fewest expected seconds per token when drafting is free (n-gram
+    drafts), verified where such rounds verify: on borrowed cores when the target may borrow them."""
+    return min(range(1, k_max + 1), key=lambda k: cost.lent_verify_time(batch * (k + 1)) / expected_tokens(a, k))
 
 
 def best_sd_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:

@@ -354,8 +354,7 @@ def test_exploration_while_borrowing_stays_with_options_that_need_no_catch_up(mo
 
 def test_stale_sd_is_re_measured_when_it_can_be_tried(models):
     """SD not run for EXPLORE_EVERY rounds is tried as soon as it can be without a catch-up (a request's
-    first rounds while borrowing), if it scores within EXPLORE_WITHIN of the choice or a request starts; the
-    periodic re-measurement then restarts its count."""
+    first rounds while borrowing), if it scores within EXPLORE_WITHIN of the choice or a request starts."""
     from ssd.modes.ssd import EXPLORE_EVERY, EXPLORE_SD_LAG, EXPLORE_WITHIN
 
     with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=64) as llm:
@@ -390,6 +389,29 @@ def test_stale_sd_is_re_measured_when_it_can_be_tried(models):
         assert mode._sd_stale("ar", 0.0)
         mode.allowed = tuple(o for o in mode.allowed if o != "sd")
         assert not mode._sd_stale("ar", 0.0)
+
+
+def test_periodic_re_measurement_is_not_starved_by_a_stale_sd(monkeypatch):
+    """Every option within EXPLORE_WITHIN of the choice is re-measured now and then, SD among them: SD's own
+    staleness check (due as often) had taken every due round, so the others never ran."""
+    import collections
+
+    import ssd.modes.ssd as ssd_mode
+    from ssd.sampling_params import SamplingParams
+    from ssd.sequence import Sequence
+
+    scores = {"ngram": 1.0, "ssd_fast": 1.1, "ar": 1.2, "sd": 1.3, "ssd_neural": 1.4}
+    monkeypatch.setattr(ssd_mode, "choose", lambda cost, *a, **kw: ("ngram", dict(scores)))
+    mode = ssd_mode.SSDMode(None, None, 4, planner=None, allowed=ssd_mode.policy_options("auto", "auto"),
+                            vocab_size=100)
+    seq = Sequence(0, list(range(20)), SamplingParams(max_tokens=10_000), [], None)
+    seq.output_ids = [1, 2, 3]
+    picks = collections.Counter()
+    for _ in range(400):
+        picks[mode._choose([seq])] += 1
+        mode.stats.rounds += 1
+    assert set(picks) == set(scores) and min(picks.values()) >= 5, picks
+    assert picks["ngram"] > 300, picks
 
 
 def test_policy_prices_the_draft_backlog_of_borrowed_rounds():

@@ -226,6 +226,9 @@ def test_an_explicit_fanout_list_fixes_k_and_tensor_parallel_implies_ray():
     assert Config(target="t", draft="d", mode="ssd", fanout=[2, 1, 1]).k == 2
     with pytest.raises(ValueError, match="at least 2 entries"):  # K = 0 would fail only once the models load
         Config(target="t", draft="d", mode="ssd", fanout=[4])
+    with pytest.raises(ValueError, match="too short to auto-configure k"):  # its timings would overrun the cache
+        Config(target="t", draft="d", max_len=9)
+    assert Config(target="t", draft="d", max_len=9, k=3).max_len == Config(target="t", max_len=9).max_len == 9
     tp = Config(target="t", mode="sd", draft="d", extra={"target_tp": 2})
     assert tp.use_ray is True and not tp.ray_by_default  # its ranks are actors: no in-process fallback
     with pytest.raises(ValueError, match="needs use_ray"):

@@ -203,6 +203,10 @@ BAD = [
                                                       "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ("negative stop id", "/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    # json.loads raises ValueError / RecursionError here, not JSONDecodeError: still the caller's error
+    ("huge integer", "/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
+    ("deep nesting", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("logprobs 0", "/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs"),  # legacy: 0 asks for them
 ]
 
 
@@ -229,8 +233,31 @@ def test_unknown_route_is_openai_style_404(http):
 
 def test_models_and_health(http):
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]
+    assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL  # what openai's models.retrieve asks
+    r = http.get("/v1/models/gpt-9")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     h = http.get("/health").json()
     assert h["status"] == "ok" and h["model"] == MODEL
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and "POST" in r.headers.get("allow", ""), r.headers
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(http):
+    from ssd.launch.server import MAX_BODY_BYTES
+
+    big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES // (1 << 20) + 1):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert http.get("/health").json()["status"] == "ok"
 
 
 def test_openai_package(served):

@@ -169,10 +169,11 @@ class SSDMode(DraftBackedMode):
                                               horizon=lagging.remaining if lag else None, unfed=bool(self.borrow))
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up (from a
             # ready SSD pipeline only the other SSD option, which keeps the prepared speculation).
+            # A new request's try of a stale SD comes first; then the periodic re-measurement when due, ahead of
+            # SD's own (due as often): SD's had taken every due round, and the other options were never re-measured.
             self._rounds_since_explore += 1
-            if self._sd_stale(choice, prepared, fresh=any(not s.output_ids for s in seqs)):
+            if any(not s.output_ids for s in seqs) and self._sd_stale(choice, prepared, fresh=True):
                 choice = "sd"
-                self._rounds_since_explore = 0
             elif self._rounds_since_explore >= EXPLORE_EVERY:
                 close = [o for o in self.allowed
                          if o != choice and self.last_scores[o] <= EXPLORE_WITHIN * self.last_scores[choice]
@@ -180,6 +181,8 @@ class SSDMode(DraftBackedMode):
                 if close:
                     choice = min(close, key=lambda o: self._last_tried.get(o, -1))
                 self._rounds_since_explore = 0
+            elif self._sd_stale(choice, prepared):
+                choice = "sd"
             self._last_tried[choice] = self.stats.rounds
         self.last_choice = choice
         return choice

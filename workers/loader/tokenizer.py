@@ -117,7 +117,8 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it): a server's other threads run meanwhile
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         # A rendered chat template often already starts with BOS; don't double it (llama.cpp warns on that).
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
