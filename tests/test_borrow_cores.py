@@ -746,3 +746,36 @@ def test_auto_prefills_the_rest_of_a_prompt_on_borrowed_cores_and_stays_exact(mo
         assert [(a[1], a[2]) for m, a in calls if m == "extend" and a[1] == prompt[cut:]] == [(prompt[cut:], True)]
     assert [(n, cut) for n, cut, _, _ in observed] == [(len(p), round(len(p) / 3)) for p in LONG_PROMPTS]
     assert all(draft_s > 0 and rest_s > 0 for _, _, draft_s, rest_s in observed)
+
+
+def test_ngram_draft_length_is_priced_on_the_cores_it_verifies_on():
+    """With core loans n-gram rounds verify on both cores: their draft length follows that line, not the own one."""
+    from ssd.policy import best_draft_len
+
+    c = CostModel()
+    c.verify = VerifyLine(Ema(0.030), Ema(0.020))  # own cores: each token dear
+    a = 0.75
+    own = best_draft_len(c, a, 1, 8)
+    c.enable_borrow(t_borrowed={n: 0.020 + 0.002 * n for n in (1, 2, 4, 9)})  # both cores: nearly flat
+    lent = best_draft_len(c, a, 1, 8)
+    assert lent > own
+    assert lent == min(range(1, 9), key=lambda k: c.lent_verify_time(k + 1) / expected_tokens(a, k))
+
+
+def test_speculation_price_starts_from_the_fanout_the_mode_uses(models, monkeypatch):
+    """K auto-configured but the budget given: the policy's speculation price is that budget's, not the one
+    auto-configuration would have picked."""
+    import ssd.build as build
+    from ssd.autoconfig import rows_time
+
+    seen = {}
+    cached = build.cached_autoconfigure
+    monkeypatch.setattr(build, "cached_autoconfigure",
+                        lambda *a, **kw: seen.setdefault("ac", cached(*a, **kw)))
+    with LLM(target=models[0], draft=models[1], mode="ssd", fanout=1, dtype="float32", max_len=64,
+             use_ray=False) as llm:
+        mode = llm.engine.mode
+        ac, k = seen["ac"], mode.k
+        assert mode.planner.B == 1
+        want = rows_time(ac.t_chain, k + 1) + k * rows_time(ac.t_draft, 1)
+        assert mode.cost.speculate.value == pytest.approx(want)
