@@ -99,6 +99,14 @@ def make_mode(
         mode.cost.seed(ac.t_verify_busy or ac.t_verify, draft_step=ac.t_draft[1] * draft_lend, speculate=spec,
                        feed=feed_time(ac.t_chain))
         mode.cost.draft_lend = draft_lend
+
+        def spec_batch_factor(batch: int, mode: SSDMode = mode, ac: AutoConfig = ac) -> float:
+            """A batch's speculation over one sequence's, at the mode's current K and B (start-up timings)."""
+            k, b = mode.k, mode.planner.B
+            one = rows_time(ac.t_chain, k + 1) + k * rows_time(ac.t_draft, b)
+            return (rows_time(ac.t_chain, batch * (k + 1)) + k * rows_time(ac.t_draft, batch * b)) / one
+
+        mode.cost.spec_batch_factor = spec_batch_factor
         if ac.t_borrowed is not None:
             mode.cost.enable_borrow(t_borrowed=ac.t_borrowed)
     return mode

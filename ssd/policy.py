@@ -9,6 +9,7 @@ cost per step, speculation time, cache hit rate and acceptance. The cheapest win
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 OPTIONS = ("ssd_neural", "ssd_fast", "sd", "ar", "ngram")  # order breaks ties
@@ -169,12 +170,15 @@ class GatedSD:
     per sequence, and the emitted tokens as a share of expected_tokens(acceptance, each draft's length)."""
 
     length: Ema = field(default_factory=lambda: Ema(4.0))
+    # the longest draft of a round: the batch's draft forwards run until its last row stops (batch 1: = length)
+    longest: Ema = field(default_factory=lambda: Ema(4.0))
     gain: Ema = field(default_factory=lambda: Ema(1.0))
 
     def observe(self, a: float, drafted: list[int], emitted: list[int]) -> None:
         if not drafted or sum(drafted) == 0:
             return
         self.length.update(sum(drafted) / len(drafted))
+        self.longest.update(max(drafted))
         expected = sum(expected_tokens(a, d) for d in drafted)
         self.gain.update(min(max(sum(emitted) / expected, GATE_GAIN_RANGE[0]), GATE_GAIN_RANGE[1]))
 
@@ -189,7 +193,10 @@ class CostModel:
     # drafts look 1.5x dearer per step and kept auto's SD rounds at k = 1 (session 17).
     draft_step: Ema = field(default_factory=lambda: Ema(0.02))  # one batched draft forward
     draft_call: Ema = field(default_factory=lambda: Ema(0.0))
-    speculate: Ema = field(default_factory=lambda: Ema(0.08))  # SSD draft work for one round
+    speculate: Ema = field(default_factory=lambda: Ema(0.08))  # SSD draft work for one round of one sequence
+    # batch -> a round's speculation at that batch over one sequence's (the draft's forwards grow with the rows:
+    # set from the start-up timings, ssd/build.py); None: priced as one sequence's at any batch
+    spec_batch_factor: Callable[[int], float] | None = None
     feed: Ema = field(default_factory=lambda: Ema(0.003))  # a draft forward's cost per extra token fed
     # per-token, neural draft
     acceptance: RateEma = field(default_factory=lambda: RateEma(ACCEPTANCE_PRIOR, RATE_ALPHA))
@@ -344,6 +351,18 @@ class CostModel:
     def verify_time(self, n_tokens: int) -> float:
         return self.verify.time(n_tokens)
 
+    def _spec_factor(self, batch: int) -> float:
+        return 1.0 if self.spec_batch_factor is None or batch <= 1 else max(1.0, self.spec_batch_factor(batch))
+
+    def speculate_time(self, batch: int) -> float:
+        """Seconds of one SSD round's speculation for `batch` sequences."""
+        return self.speculate.value * self._spec_factor(batch)
+
+    def observe_speculate(self, batch: int, seconds: float) -> None:
+        """A round's speculation for `batch` sequences took `seconds`: kept as one sequence's, so a run of
+        batch-8 rounds does not price batch-1 SSD at batch 8's speculation (and the reverse)."""
+        self.speculate.update(seconds / self._spec_factor(batch))
+
     def observe_verify(self, n_tokens: int, seconds: float, borrowed: bool = False) -> float:
         """A verification of n_tokens took `seconds`; `borrowed`: on the draft's cores too, which moves
         the borrowed line, not the own one. Returns the price's relative error (VerifyLine.observe)."""
@@ -384,19 +403,21 @@ def best_sd_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
 
 
 def round_seconds(cost: CostModel, option: str, batch: int, k: int, k_ngram: int | None = None,
-                  missed: float = 0.0) -> float:
+                  missed: float = 0.0, sd_tokens: int | None = None) -> float:
     """Modelled seconds of one steady round of `option` (what calibration compares measured rounds with).
-    `missed`: for neural SSD, the chance (or the fact) that a sequence missed, which costs a draft."""
+    `missed`: for neural SSD, the chance (or the fact) that a sequence missed, which costs a draft.
+    `sd_tokens`: the tokens an SD round verifies, where its drafts differ in length (gated drafts: the draft
+    runs k steps, its longest, and the batch verifies fewer than batch x (k + 1))."""
     lent = cost.lent_verify_time  # AR, SD and n-gram verify on borrowed cores where the target can
     t_ver = cost.verify_time(batch * (k + 1))
     t_draft = cost.draft_time(k)
     if option == "ar":  # one token per sequence per target step
         return lent(batch)
     if option == "sd":  # the draft runs before the target, on the critical path
-        return t_draft + lent(batch * (k + 1))
+        return t_draft + lent(batch * (k + 1) if sd_tokens is None else sd_tokens)
     if option == "ngram":  # verification only; drafting is a lookup
         return lent(batch * ((k if k_ngram is None else k_ngram) + 1))
-    overlap = max(t_ver, cost.speculate.value)  # SSD: speculation overlaps verification
+    overlap = max(t_ver, cost.speculate_time(batch))  # SSD: speculation overlaps verification
     return overlap + missed * t_draft if option == "ssd_neural" else overlap
 
 
@@ -443,16 +464,18 @@ def choose(
     k_sd = k if k_sd is None else k_sd
     e_sd_len = expected_tokens(a, k_sd)
     gated = cost.gated_sd
+    sd_tokens = None
     if gated is not None and gated.length.n:  # gated drafts: their measured length and tokens per round
         e_sd_len = gated.gain.value * expected_tokens(a, gated.length.value)
-        k_sd = max(1, round(gated.length.value))
+        k_sd = max(1, round(gated.longest.value))  # the draft's forwards: until the batch's longest stops
+        sd_tokens = batch * (max(1, round(gated.length.value)) + 1)  # verified: each sequence's own
     e_fast = expected_tokens(a_fast, k)
     t_draft = cost.draft_time(k)
     share_neural = cost.share_primary(k, "neural")
     hit_neural = share_neural * p + (1 - share_neural) * cost.hit_after_neural.value
     all_hit = hit_neural**batch  # one miss stalls the whole batch
     a_ngram, k_ngram = ngram if ngram is not None else (a_fast, k)
-    t = {o: round_seconds(cost, o, batch, k_sd if o == "sd" else k, k_ngram, missed=1 - all_hit)
+    t = {o: round_seconds(cost, o, batch, k_sd if o == "sd" else k, k_ngram, missed=1 - all_hit, sd_tokens=sd_tokens)
          * cost.calibration_factor(o) for o in OPTIONS}
     h = SWITCH_HORIZON
     backlog = cost.backlog_time(lag, lent=False)  # the draft's first forward feeds the tokens it has not seen
@@ -461,7 +484,9 @@ def choose(
     share_fast = cost.share_primary(k, "fast")
     steady_fast = share_fast * e_sd + (1 - share_fast) * e_fast  # tokens per sequence and round
     first_fast = prepared * steady_fast + (1 - prepared) * e_fast  # the unprepared draft by lookup
-    unfed_token = cost.backlog_time(1, lent=True) / batch if unfed else 0.0  # the later feed of one token
+    # the later feed of one token: the draft's first forward feeds every sequence's backlog, its cost growing with
+    # their total
+    unfed_token = cost.backlog_time(1, lent=True) if unfed else 0.0
 
     def spread(tokens_per_round: float) -> float:  # rounds the backlog is spread over
         return max(h, horizon / tokens_per_round) if horizon else h

@@ -464,8 +464,9 @@ def test_a_backlog_is_spread_over_the_rest_of_the_request():
 
 def test_tokens_of_rounds_that_leave_the_draft_unfed_carry_their_later_feed():
     """While the target borrows the draft's cores, each token an AR or n-gram round emits is one the next SD
-    or SSD round must feed: `unfed` adds that feed (at the lent speed, per sequence) to their price, so
-    an AR a little cheaper than SD per token no longer wins and grows the backlog that then prices SD out."""
+    or SSD round must feed: `unfed` adds that feed (at the lent speed; the feed of a batch's backlog grows with its
+    total, so a whole token's) to their price, so an AR a little cheaper than SD per token no longer wins and
+    grows the backlog that then prices SD out."""
     from ssd.policy import RATE_ALPHA, RateEma
 
     c = CostModel()
@@ -475,7 +476,7 @@ def test_tokens_of_rounds_that_leave_the_draft_unfed_carry_their_later_feed():
     c.draft_lend = 0.5
     _, base = choose(c, 2, 3, prepared=0.0)
     _, unfed = choose(c, 2, 3, prepared=0.0, unfed=True)
-    per_token = 0.010 * 0.5 / 2  # one token's feed on lent cores, per sequence of the batch
+    per_token = 0.010 * 0.5  # one token's feed on lent cores
     assert unfed["ar"] == pytest.approx(base["ar"] + per_token)
     assert unfed["ngram"] == pytest.approx(base["ngram"] + per_token)
     assert all(unfed[o] == base[o] for o in ("sd", "ssd_neural", "ssd_fast"))
@@ -499,8 +500,8 @@ def test_sd_rounds_that_fed_a_backlog_calibrate_without_it():
         # an SD round drafts (nothing prepared); an SSD one verifies a prepared speculation
         prepared = 0.0 if choice == "sd" else 1.0
         return SimpleNamespace(last_choice=choice, last_scores=dict.fromkeys(("sd", "ssd_neural"), 1.0),
-                               _prepared=prepared, _round_lag=lag, cost=c, _sd_k=3, _round_k=3, _ngram_k=3,
-                               _missed=0.0, gate=False)
+                               _prepared=prepared, _round_lag=lag, _round_backlog=lag, cost=c, _sd_k=3, _round_k=3,
+                               _ngram_k=3, _sd_verified=4, _missed=0.0, gate=False)
 
     seqs = [object()]
     m = mode("sd", 20)
@@ -779,3 +780,62 @@ def test_speculation_price_starts_from_the_fanout_the_mode_uses(models, monkeypa
         assert mode.planner.B == 1
         want = rows_time(ac.t_chain, k + 1) + k * rows_time(ac.t_draft, 1)
         assert mode.cost.speculate.value == pytest.approx(want)
+
+
+def test_speculation_is_priced_at_the_batch_it_runs_for():
+    """A round's speculation grows with the batch (its forwards' rows): kept as one sequence's and scaled by the
+    start-up timings, so rounds at batch 8 do not price batch 1's SSD at batch 8's speculation (or the reverse)."""
+    from ssd.policy import round_seconds
+
+    c = CostModel()
+    c.verify = VerifyLine(Ema(0.010), Ema(0.001))
+    assert c.speculate_time(8) == c.speculate.value  # no timings: one sequence's at any batch
+    c.spec_batch_factor = lambda n: 0.5 + 0.5 * n  # a draft forward's cost half fixed, half per row
+    c.speculate = Ema(0.040)
+    for _ in range(20):
+        c.observe_speculate(8, 0.040 * 4.5)  # batch 8 measured as its timings say
+    assert c.speculate.value == pytest.approx(0.040)
+    assert c.speculate_time(1) == pytest.approx(0.040) and c.speculate_time(8) == pytest.approx(0.180)
+    assert round_seconds(c, "ssd_fast", 8, 2) == pytest.approx(max(c.verify_time(24), 0.180))
+    assert round_seconds(c, "ssd_fast", 1, 2) == pytest.approx(max(c.verify_time(3), 0.040))
+
+
+def test_speculation_batch_factor_comes_from_start_up_timings(models):
+    with LLM(target=models[0], draft=models[1], mode="ssd", dtype="float32", max_len=64, use_ray=False) as llm:
+        f = llm.engine.mode.cost.spec_batch_factor
+        assert f is not None and f(1) == pytest.approx(1.0) and f(8) > 1.0
+
+
+def test_gated_sd_at_a_batch_prices_its_longest_draft_and_the_tokens_verified():
+    """Gated drafts stop at different lengths: the batch's draft forwards run until the longest stops, and the
+    target verifies each sequence's own draft (not batch x (longest + 1) tokens)."""
+    from ssd.policy import GatedSD
+
+    c = CostModel(gated_sd=GatedSD())
+    c.verify, c.draft_step = VerifyLine(Ema(0.030), Ema(0.006)), Ema(0.004)
+    c.gated_sd.observe(c.acceptance.value, [8, 2, 2, 2], [9, 3, 3, 3])
+    assert c.gated_sd.longest.value == 8 and c.gated_sd.length.value == 3.5
+    _, scores = choose(c, 4, 3, prepared=0.0)
+    e = c.gated_sd.gain.value * expected_tokens(c.acceptance.value, 3.5)
+    t_round = c.draft_time(8) + c.lent_verify_time(4 * (round(3.5) + 1))
+    assert scores["sd"] == pytest.approx(t_round / (4 * e))
+
+
+def test_the_backlog_is_priced_by_its_total_over_the_batch(models, monkeypatch):
+    """The first SD / SSD forward feeds every sequence's unfed tokens: the policy prices their sum, not the
+    longest one's."""
+    import ssd.modes.ssd as ssd_mode
+    from ssd.sampling_params import SamplingParams
+    from ssd.sequence import Sequence
+
+    asked = {}
+    monkeypatch.setattr(ssd_mode, "choose", lambda cost, batch, k, allowed, ngram=None, **kw: (
+        asked.update(kw), ("ar", dict.fromkeys(allowed, 1.0)))[1])
+    mode = ssd_mode.SSDMode(None, None, 4, planner=None, allowed=ssd_mode.policy_options("auto", "auto"),
+                            vocab_size=100)
+    seqs = [Sequence(i, list(range(20)), SamplingParams(max_tokens=100), [], None) for i in range(3)]
+    for s in seqs:
+        s.output_ids = [1, 2]
+    mode._lag = {0: 10, 1: 20, 2: 0}
+    mode._choose(seqs)
+    assert asked["lag"] == 30 and mode._round_lag == 20 and mode._round_backlog == 30

@@ -104,7 +104,9 @@ class SSDMode(DraftBackedMode):
         self._match: dict[int, int] = {}  # seq_id -> suffix length the current n-gram draft matched
         self._prepared = 1.0  # share of this round's sequences whose speculation was ready
         self._round_k = k  # K when this round's option was chosen (the tuner may change it during the round)
-        self._round_lag = 0  # tokens the draft had not been fed when this round's option was chosen
+        self._round_lag = 0  # tokens the draft had not been fed when this round's option was chosen (the most)
+        self._round_backlog = 0  # ... summed over the round's sequences
+        self._sd_verified = 0  # tokens this round's SD drafts put to verification (each draft + 1)
         self._missed = 0.0  # 1.0 when a sequence of this round's SSD batch missed
         self._lag: dict[int, int] = {}  # seq_id -> emitted tokens committed to the draft lazily, not yet fed
         self.prefill_ratio = Ema(0.0)  # draft / target (own cores) prefill time per prompt token
@@ -160,13 +162,16 @@ class SSDMode(DraftBackedMode):
             self._prepared = prepared
             lagging = max(seqs, key=lambda s: self._lag.get(s.seq_id, 0))
             lag = self._lag.get(lagging.seq_id, 0)
+            # the draft's first forward feeds every sequence's backlog: priced by their total
+            self._round_backlog = sum(self._lag.get(s.seq_id, 0) for s in seqs)
             self._round_k, self._round_lag = self.k, lag
             self._sd_k = self.k
             if self.tuner is not None and "sd" in self.allowed:
                 self._sd_k = best_sd_len(self.cost, self.cost.acceptance.value, len(seqs), SD_K_MAX)
             choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared,
-                                              current=self.last_choice or None, lag=lag, k_sd=self._sd_k,
-                                              horizon=lagging.remaining if lag else None, unfed=bool(self.borrow))
+                                              current=self.last_choice or None, lag=self._round_backlog,
+                                              k_sd=self._sd_k, horizon=lagging.remaining if lag else None,
+                                              unfed=bool(self.borrow))
             # Estimates of options never chosen go stale: now and then re-measure a close runner-up (from a
             # ready SSD pipeline only the other SSD option, which keeps the prepared speculation).
             # A new request's try of a stale SD comes first; then the periodic re-measurement when due, ahead of
@@ -230,13 +235,14 @@ class SSDMode(DraftBackedMode):
         if choice == "sd" and self._prepared >= 1.0:  # it verified prepared drafts: no draft call to price
             return
         if self._round_lag and choice == "sd":
-            seconds -= self.cost.backlog_time(self._round_lag, lent=True)
+            seconds -= self.cost.backlog_time(self._round_backlog, lent=True)
             if seconds <= 0:
                 return
         elif self._round_lag and choice not in ("ar", "ngram"):
             return
         k = (self._sd_drafted if self.gate else self._sd_k) if choice == "sd" else self._round_k
-        predicted = round_seconds(self.cost, choice, len(seqs), k, self._ngram_k, missed=self._missed)
+        predicted = round_seconds(self.cost, choice, len(seqs), k, self._ngram_k, missed=self._missed,
+                                  sd_tokens=self._sd_verified if choice == "sd" else None)
         self.cost.observe_round(choice, predicted, seconds)
 
     def _ngram_plan(self, seqs: list[Sequence]) -> tuple[float, int]:
@@ -306,6 +312,7 @@ class SSDMode(DraftBackedMode):
             for s, d, q in zip(missing, drafts, qs):
                 self.current[s.seq_id] = (d, q, "primary")
         drafts = [self.current[s.seq_id][0] for s in seqs]
+        self._sd_verified = sum(len(d.tokens) + 1 for d in drafts)
         q_draft = [self.current[s.seq_id][1] for s in seqs]
         sources = [self.current[s.seq_id][2] for s in seqs]
         # The suffix length each point draft matched, read now: the round's fast backups overwrite _match
@@ -358,7 +365,7 @@ class SSDMode(DraftBackedMode):
         draft's cores: plain n-gram rounds run on both."""
         if self.borrow or any(len(d.tokens) > self.k for d in drafts):
             return False
-        return self.cost.speculate.value <= self.cost.verify_time(sum(len(d.tokens) + 1 for d in drafts))
+        return self.cost.speculate_time(len(drafts)) <= self.cost.verify_time(sum(len(d.tokens) + 1 for d in drafts))
 
     def _shadow_ngram(self, seqs: list[Sequence], drafts: list[Draft], outcomes: list[Outcome]) -> None:
         """Score the n-gram drafter on rounds it did not draft, so the policy knows its acceptance.
@@ -482,7 +489,7 @@ class SSDMode(DraftBackedMode):
         except WorkerDied as e:
             self._draft_lost(e)
             raise DraftLost(drafts, outcomes) from e
-        self.cost.speculate.update(info["seconds"])
+        self.cost.observe_speculate(len(seqs), info["seconds"])
         resolve_in = []
         for s, o in zip(seqs, outcomes):
             k_max = max(0, s.remaining - len(o.tokens) - 1)  # a lookahead-extended draft may use up to this
