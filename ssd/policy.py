@@ -138,12 +138,16 @@ class VerifyLine:
     v0: Ema
     v1: Ema
     bend: dict[int, float] = field(default_factory=dict)
+    # The largest n timed at start-up: errors of rounds past it (a batch's verifications) come from the curve's
+    # shape out there, which their own knots learn, not from drift, so they leave the intercept (and with it
+    # the prices of a few tokens) alone. None: every round moves it.
+    fitted_max: int | None = None
 
     @classmethod
     def fit(cls, t: dict[int, float]) -> VerifyLine:
         """Through every measured point exactly (n = 1 and at least one more); one observation's weight."""
         intercept, slope = fit_line(t)
-        return cls(Ema(intercept, n=1), Ema(slope, n=1), {n: t[n] - (intercept + slope * n) for n in t})
+        return cls(Ema(intercept, n=1), Ema(slope, n=1), {n: t[n] - (intercept + slope * n) for n in t}, max(t))
 
     def time(self, n_tokens: int) -> float:
         return max(self.v0.value + self.v1.value * n_tokens + interpolate(self.bend, n_tokens), 1e-6)
@@ -156,10 +160,11 @@ class VerifyLine:
         to `seconds` (before the update)."""
         predicted = self.time(n_tokens)
         err = min(seconds, OUTLIER_CAP * predicted) - predicted
-        self.v0.value += LEVEL_STEP * err
+        level = LEVEL_STEP if self.fitted_max is None or n_tokens <= self.fitted_max else 0.0
+        self.v0.value += level * err
         self.v0.n += 1
         knot = self.bend.get(n_tokens, interpolate(self.bend, n_tokens))
-        self.bend[n_tokens] = knot + (PRICE_STEP - LEVEL_STEP) * err
+        self.bend[n_tokens] = knot + (PRICE_STEP - level) * err
         return abs(predicted - seconds) / seconds if seconds > 0 else 0.0
 
 
@@ -319,7 +324,7 @@ class CostModel:
         else:
             own = self.verify
             self.borrow = VerifyLine(Ema(share * own.v0.value, n=1), Ema(share * own.v1.value, n=1),
-                                     {n: share * b for n, b in own.bend.items()})
+                                     {n: share * b for n, b in own.bend.items()}, own.fitted_max)
 
     def lent_verify_time(self, n_tokens: int) -> float:
         """Seconds of a verification the target may run on borrowed cores (AR, SD, n-gram rounds)."""

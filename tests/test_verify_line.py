@@ -45,6 +45,23 @@ def test_rounds_move_their_own_price_most_and_every_price_a_little():
     assert v.observe(4, v.time(4)) == 0.0
 
 
+def test_a_batch_past_the_measured_forwards_leaves_the_small_prices_alone():
+    """A batch's verifications (here 32 tokens) run off the fitted line through its shape out there: their knot
+    learns it, but the intercept, which would carry the error to one sequence's few tokens, stays."""
+    v = VerifyLine.fit(KINKED)
+    far = v.time(32)
+    for _ in range(40):
+        v.observe(32, 1.3 * far)
+    assert v.time(32) == pytest.approx(1.3 * far, rel=0.02)
+    for n, t in KINKED.items():
+        assert v.time(n) == pytest.approx(t, rel=1e-9)
+    v.observe(8, 1.3 * KINKED[8])  # within the measured forwards: drift, which moves every price a little
+    assert v.time(1) > KINKED[1]
+    unseeded = VerifyLine(Ema(0.05), Ema(0.002))  # no start-up timings: every round moves the intercept
+    unseeded.observe(32, 2 * unseeded.time(32))
+    assert unseeded.time(1) > 0.05 + 0.002
+
+
 def test_an_unmeasured_token_count_gets_a_price_of_its_own():
     v = VerifyLine.fit(KINKED)
     assert v.time(3) == pytest.approx((KINKED[2] + KINKED[4]) / 2)
