@@ -150,7 +150,8 @@ class KTuner(_RequestAcceptance):
         rate = self.rate
         if rate <= 0:
             k0 = self._best_plain(seq_ids)
-            rate = n * expected_tokens(self.acceptance_of(seq_ids), k0) / (k0 * self.t_draft1 + self.t_verify[k0 + 1])
+            rate = n * expected_tokens(self.acceptance_of(seq_ids), k0) / (
+                k0 * self.t_draft1 + rows_time(self.t_verify, n * (k0 + 1)))
         # a verification row: the mean slope up to k + 1 rows (start-up times k + 1 = 1 and the Ks')
         row = max(0.0, interpolate(self.t_verify, k + 1) - interpolate(self.t_verify, 1)) / k
         return gate_price(rate, self.t_draft1, row, n)

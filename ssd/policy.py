@@ -138,9 +138,10 @@ class VerifyLine:
     v0: Ema
     v1: Ema
     bend: dict[int, float] = field(default_factory=dict)
-    # The largest n timed at start-up: errors of rounds past it (a batch's verifications) come from the curve's
-    # shape out there, which their own knots learn, not from drift, so they leave the intercept (and with it
-    # the prices of a few tokens) alone. None: every round moves it.
+    # The largest n timed at start-up: errors of rounds past it (a batch's verifications, or one sequence's
+    # lookahead-extended draft) come from the curve's shape out there, which their own knots learn, not from
+    # drift, so they leave the intercept (and with it the prices of a few tokens) alone. None: every round
+    # moves it.
     fitted_max: int | None = None
 
     @classmethod

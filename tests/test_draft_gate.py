@@ -102,6 +102,14 @@ def test_k_tuner_gated_takes_the_longest_k_and_prices_a_forward():
     assert gated.choose([0]) == max(K_CHOICES)
     p0 = gated.stop_below(8, [0])  # before any round: the best ungated K's modelled rate
     assert p0 > 0
+    # ... at the batch's own verification: batch x (K + 1) tokens (a fresh tuner: nothing measured yet)
+    from ssd.autoconfig import expected_tokens, gate_price, interpolate, rows_time
+
+    batch = list(range(8))
+    k0 = gated._best_plain(batch)
+    rate = 8 * expected_tokens(gated.acceptance_of(batch), k0) / (k0 * 0.01 + rows_time(t_verify, 8 * (k0 + 1)))
+    row = (interpolate(t_verify, 9) - interpolate(t_verify, 1)) / 8
+    assert gated.stop_below(8, batch) == pytest.approx(gate_price(rate, 0.01, row, 8))
     gated.observe_rate(10, 0.1)  # 100 tok/s measured
     p1 = gated.stop_below(8, [0])
     assert p1 == pytest.approx(100 * (0.01 + (t_verify[9] - t_verify[1]) / 8))
