@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 OPTIONS = ("ssd_neural", "ssd_fast", "sd", "ar", "ngram")  # order breaks ties
 NGRAM_PRIOR = 4  # rounds of evidence the overall n-gram rate counts for in a per-match-length estimate
@@ -391,10 +392,32 @@ def gate_price(rate: float, draft_step: float, row: float, batch: int) -> float:
     return rate / batch * (draft_step / batch + row)
 
 
-def best_draft_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
-    """The draft length (1..k_max) with the fewest expected seconds per token when drafting is free (n-gram
-    drafts), verified where such rounds verify: on borrowed cores when the target may borrow them."""
-    return min(range(1, k_max + 1), key=lambda k: cost.lent_verify_time(batch * (k + 1)) / expected_tokens(a, k))
+class NgramPlan(NamedTuple):
+    """A round of n-gram drafts, priced per sequence: each drafts min(k, its lookup's length) tokens at its own
+    match's acceptance (a sequence without a match drafts nothing and emits one token)."""
+
+    acceptance: float  # the sequences' mean (what the policy reports)
+    k: int
+    tokens: float  # expected tokens the batch emits
+    verified: int  # tokens the batch verifies
+
+
+def plan_ngram(cost: CostModel, lookups: list[tuple[int, float]], k_max: int) -> NgramPlan:
+    """The n-gram draft length (1..k_max) with the fewest expected seconds per token for these (lookup length,
+    acceptance) pairs, one per sequence, verified where such rounds verify (on borrowed cores when the target may
+    borrow them): averaged before the expected-tokens formula, a copying sequence and one without a match looked
+    like two half-accepted ones and got 1-token drafts."""
+
+    def priced(k: int) -> tuple[float, int]:
+        return (sum(expected_tokens(a, min(k, n)) for n, a in lookups), sum(min(k, n) + 1 for n, a in lookups))
+
+    def per_token(k: int) -> float:
+        tokens, verified = priced(k)
+        return cost.lent_verify_time(verified) / tokens
+
+    k = min(range(1, k_max + 1), key=per_token)
+    tokens, verified = priced(k)
+    return NgramPlan(sum(a for _, a in lookups) / len(lookups), k, tokens, verified)
 
 
 def best_sd_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
@@ -409,20 +432,21 @@ def best_sd_len(cost: CostModel, a: float, batch: int, k_max: int) -> int:
 
 
 def round_seconds(cost: CostModel, option: str, batch: int, k: int, k_ngram: int | None = None,
-                  missed: float = 0.0, sd_tokens: int | None = None) -> float:
+                  missed: float = 0.0, verified: int | None = None) -> float:
     """Modelled seconds of one steady round of `option` (what calibration compares measured rounds with).
     `missed`: for neural SSD, the chance (or the fact) that a sequence missed, which costs a draft.
-    `sd_tokens`: the tokens an SD round verifies, where its drafts differ in length (gated drafts: the draft
-    runs k steps, its longest, and the batch verifies fewer than batch x (k + 1))."""
+    `verified`: the tokens an SD or n-gram round verifies, where its drafts differ in length (gated drafts: the
+    draft runs k steps, its longest, and the batch verifies fewer than batch x (k + 1); n-gram lookups shorter
+    than k, or none)."""
     lent = cost.lent_verify_time  # AR, SD and n-gram verify on borrowed cores where the target can
     t_ver = cost.verify_time(batch * (k + 1))
     t_draft = cost.draft_time(k)
     if option == "ar":  # one token per sequence per target step
         return lent(batch)
     if option == "sd":  # the draft runs before the target, on the critical path
-        return t_draft + lent(batch * (k + 1) if sd_tokens is None else sd_tokens)
+        return t_draft + lent(batch * (k + 1) if verified is None else verified)
     if option == "ngram":  # verification only; drafting is a lookup
-        return lent(batch * ((k if k_ngram is None else k_ngram) + 1))
+        return lent(batch * ((k if k_ngram is None else k_ngram) + 1) if verified is None else verified)
     overlap = max(t_ver, cost.speculate_time(batch))  # SSD: speculation overlaps verification
     return overlap + missed * t_draft if option == "ssd_neural" else overlap
 
@@ -443,8 +467,9 @@ def choose(
     """Return the option with the lowest expected seconds per emitted token, and all the scores
     (each option's modelled round time calibrated by its measured / modelled round times).
 
-    `ngram`: (acceptance, draft length) of this round's n-gram drafts, from the lookups' match lengths;
-    without it n-gram SD is priced at the overall n-gram acceptance and length k.
+    `ngram`: this round's n-gram drafts, from the lookups' match lengths: an NgramPlan (priced per sequence), or
+    (acceptance, draft length) for every sequence; without it n-gram SD is priced at the overall n-gram
+    acceptance and length k.
     `prepared`: the share of sequences whose speculation for this round is ready (an SSD round just
     ran). The others must first be drafted: just in time by the draft model (SSD with the neural
     backup) or by lookup (the fast backup). That one-off cost is spread over the SWITCH_HORIZON rounds
@@ -480,9 +505,13 @@ def choose(
     share_neural = cost.share_primary(k, "neural")
     hit_neural = share_neural * p + (1 - share_neural) * cost.hit_after_neural.value
     all_hit = hit_neural**batch  # one miss stalls the whole batch
-    a_ngram, k_ngram = ngram if ngram is not None else (a_fast, k)
-    t = {o: round_seconds(cost, o, batch, k_sd if o == "sd" else k, k_ngram, missed=1 - all_hit, sd_tokens=sd_tokens)
-         * cost.calibration_factor(o) for o in OPTIONS}
+    a_ngram, k_ngram = ngram[:2] if ngram is not None else (a_fast, k)
+    # per sequence (NgramPlan): the batch's expected tokens and the tokens it verifies, each lookup at its length
+    ngram_tokens = ngram[2] if ngram is not None and len(ngram) > 2 else batch * expected_tokens(a_ngram, k_ngram)
+    ngram_verified = ngram[3] if ngram is not None and len(ngram) > 3 else None
+    verified = {"sd": sd_tokens, "ngram": ngram_verified}
+    t = {o: round_seconds(cost, o, batch, k_sd if o == "sd" else k, k_ngram, missed=1 - all_hit,
+                          verified=verified.get(o)) * cost.calibration_factor(o) for o in OPTIONS}
     h = SWITCH_HORIZON
     backlog = cost.backlog_time(lag, lent=False)  # the draft's first forward feeds the tokens it has not seen
     lent_backlog = cost.backlog_time(lag, lent=True)  # ... in a just-in-time draft (SD, SSD's catch-up)
@@ -503,7 +532,7 @@ def choose(
         "ssd_neural": (t["ssd_neural"] + catch_up / h + lent_backlog / spread(e_sd)) / (batch * e_sd),
         "ssd_fast": (h * t["ssd_fast"] + backlog * h / spread(steady_fast))
         / (batch * (first_fast + (h - 1) * steady_fast)),
-        "ngram": t["ngram"] / (batch * expected_tokens(a_ngram, k_ngram)) + unfed_token,
+        "ngram": t["ngram"] / ngram_tokens + unfed_token,
     }
     best = min((o for o in OPTIONS if o in allowed), key=lambda o: scores[o])
     if current == "sd" and best != "sd" and "sd" in allowed and scores[best] > SD_STAY_MARGIN * scores["sd"]:

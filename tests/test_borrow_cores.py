@@ -501,7 +501,7 @@ def test_sd_rounds_that_fed_a_backlog_calibrate_without_it():
         prepared = 0.0 if choice == "sd" else 1.0
         return SimpleNamespace(last_choice=choice, last_scores=dict.fromkeys(("sd", "ssd_neural"), 1.0),
                                _prepared=prepared, _round_lag=lag, _round_backlog=lag, cost=c, _sd_k=3, _round_k=3,
-                               _ngram_k=3, _sd_verified=4, _missed=0.0, gate=False)
+                               _ngram_k=3, _verified=4, _missed=0.0, gate=False)
 
     seqs = [object()]
     m = mode("sd", 20)
@@ -751,14 +751,14 @@ def test_auto_prefills_the_rest_of_a_prompt_on_borrowed_cores_and_stays_exact(mo
 
 def test_ngram_draft_length_is_priced_on_the_cores_it_verifies_on():
     """With core loans n-gram rounds verify on both cores: their draft length follows that line, not the own one."""
-    from ssd.policy import best_draft_len
+    from ssd.policy import plan_ngram
 
     c = CostModel()
     c.verify = VerifyLine(Ema(0.030), Ema(0.020))  # own cores: each token dear
     a = 0.75
-    own = best_draft_len(c, a, 1, 8)
+    own = plan_ngram(c, [(8, a)], 8).k
     c.enable_borrow(t_borrowed={n: 0.020 + 0.002 * n for n in (1, 2, 4, 9)})  # both cores: nearly flat
-    lent = best_draft_len(c, a, 1, 8)
+    lent = plan_ngram(c, [(8, a)], 8).k
     assert lent > own
     assert lent == min(range(1, 9), key=lambda k: c.lent_verify_time(k + 1) / expected_tokens(a, k))
 

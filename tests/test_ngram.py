@@ -5,7 +5,7 @@ import random
 import pytest
 
 from ssd import policy
-from ssd.policy import CostModel, Ema, RateEma, acceptance_counts, best_draft_len, choose
+from ssd.policy import CostModel, Ema, RateEma, acceptance_counts, choose, plan_ngram
 from ssd.workers.ngram import ngram_match, ngram_propose, ref_ngram_propose
 
 
@@ -67,10 +67,12 @@ def test_policy_takes_ngram_for_long_matches_only():
         c.observe_ngram(4, 8, 8)
         c.observe_ngram(1, 1, 0)
     long_a, short_a = c.ngram_acceptance(4), c.ngram_acceptance(1)
-    k_long, k_short = best_draft_len(c, long_a, 1, 8), best_draft_len(c, short_a, 1, 8)
-    assert k_long > k_short
-    assert choose(c, 1, 3, ngram=(long_a, k_long))[0] == "ngram"
-    assert choose(c, 1, 3, ngram=(short_a, k_short))[0] != "ngram"
+    long_plan, short_plan = plan_ngram(c, [(8, long_a)], 8), plan_ngram(c, [(8, short_a)], 8)
+    assert long_plan.k > short_plan.k
+    assert choose(c, 1, 3, ngram=long_plan)[0] == "ngram"
+    assert choose(c, 1, 3, ngram=short_plan)[0] != "ngram"
+    # the same as (acceptance, length) for one sequence whose lookup is long enough
+    assert choose(c, 1, 3, ngram=long_plan)[1] == choose(c, 1, 3, ngram=(long_a, long_plan.k))[1]
 
 
 def _ngram_share(true_rate: float, seed: int = 0, rounds: int = 2000) -> float:
@@ -100,7 +102,7 @@ def test_noisy_acceptance_does_not_tip_the_policy_into_losing_ngram_rounds(monke
 
 def test_best_draft_len_grows_with_acceptance():
     c = seeded_costs()
-    ks = [best_draft_len(c, a, 1, 8) for a in (0.0, 0.3, 0.6, 0.8, 0.9, 0.99)]
+    ks = [plan_ngram(c, [(8, a)], 8).k for a in (0.0, 0.3, 0.6, 0.8, 0.9, 0.99)]
     assert ks == sorted(ks) and ks[0] == 1 and ks[-1] == 8
     for a, k in zip((0.3, 0.9), (ks[1], ks[4])):  # the chosen length is the cheapest per token
         per_token = [c.verify_time(j + 1) / ((1 - a ** (j + 1)) / (1 - a)) for j in range(1, 9)]
@@ -133,3 +135,21 @@ def test_one_unlucky_round_does_not_zero_a_rate():
     for _ in range(150):
         c.observe_hit("primary", full=False, hit=False)
     assert c.hit_partial.value < 0.01
+
+
+def test_ngram_rounds_are_priced_per_sequence():
+    """A copying sequence beside one without a match: priced one by one (the second drafts nothing and emits one
+    token), the copier gets its long draft; averaged first, both looked half-accepted and got 1-token drafts."""
+    from ssd.policy import expected_tokens
+
+    c = seeded_costs()
+    copier, none = (8, 0.86), (0, 0.0)
+    plan = plan_ngram(c, [copier, none], 8)
+    averaged = plan_ngram(c, [(8, 0.43), (8, 0.43)], 8)
+    assert plan.k > averaged.k
+    assert plan.tokens == pytest.approx(expected_tokens(0.86, plan.k) + 1)
+    assert plan.verified == plan.k + 1 + 1
+    _, scores = choose(c, 2, 3, ngram=plan)
+    assert scores["ngram"] == pytest.approx(c.lent_verify_time(plan.verified) / plan.tokens)
+    short = plan_ngram(c, [(2, 0.99)], 8)  # a lookup of 2 tokens drafts 2 whatever k: priced as such
+    assert short.verified == 3 and short.tokens == pytest.approx(expected_tokens(0.99, 2))

@@ -22,11 +22,12 @@ from ssd.policy import (
     CostModel,
     Ema,
     GatedSD,
+    NgramPlan,
     acceptance_counts,
-    best_draft_len,
     best_sd_len,
     choose,
     gate_price,
+    plan_ngram,
     round_seconds,
 )
 from ssd.sequence import Sequence
@@ -106,7 +107,7 @@ class SSDMode(DraftBackedMode):
         self._round_k = k  # K when this round's option was chosen (the tuner may change it during the round)
         self._round_lag = 0  # tokens the draft had not been fed when this round's option was chosen (the most)
         self._round_backlog = 0  # ... summed over the round's sequences
-        self._sd_verified = 0  # tokens this round's SD drafts put to verification (each draft + 1)
+        self._verified = 0  # tokens this round's drafts put to verification (each draft + 1)
         self._missed = 0.0  # 1.0 when a sequence of this round's SSD batch missed
         self._lag: dict[int, int] = {}  # seq_id -> emitted tokens committed to the draft lazily, not yet fed
         self.prefill_ratio = Ema(0.0)  # draft / target (own cores) prefill time per prompt token
@@ -242,15 +243,17 @@ class SSDMode(DraftBackedMode):
             return
         k = (self._sd_drafted if self.gate else self._sd_k) if choice == "sd" else self._round_k
         predicted = round_seconds(self.cost, choice, len(seqs), k, self._ngram_k, missed=self._missed,
-                                  sd_tokens=self._sd_verified if choice == "sd" else None)
+                                  verified=self._verified if choice in ("sd", "ngram") else None)
         self.cost.observe_round(choice, predicted, seconds)
 
-    def _ngram_plan(self, seqs: list[Sequence]) -> tuple[float, int]:
-        """(acceptance, draft length) of n-gram drafts this round, from each lookup's match length."""
+    def _ngram_plan(self, seqs: list[Sequence]) -> NgramPlan:
+        """This round's n-gram drafts, priced per sequence from each lookup's length and match length."""
         self._lookups = {s.seq_id: ngram_match(s.prompt_ids + s.output_ids, NGRAM_K_MAX, self.ngram_max) for s in seqs}
-        a = sum(self.cost.ngram_acceptance(n) for _, n in self._lookups.values()) / len(seqs)
-        self._ngram_k = best_draft_len(self.cost, a, len(seqs), NGRAM_K_MAX)
-        return a, self._ngram_k
+        looks = [(min(len(t), max(0, s.remaining - 1)), self.cost.ngram_acceptance(m))
+                 for s, (t, m) in zip(seqs, (self._lookups[s.seq_id] for s in seqs))]
+        plan = plan_ngram(self.cost, looks, NGRAM_K_MAX)
+        self._ngram_k = plan.k
+        return plan
 
     def _fast_backup(self, seq: Sequence, emitted: list[int], k: int) -> Draft:
         if self.backup == "random":
@@ -312,7 +315,7 @@ class SSDMode(DraftBackedMode):
             for s, d, q in zip(missing, drafts, qs):
                 self.current[s.seq_id] = (d, q, "primary")
         drafts = [self.current[s.seq_id][0] for s in seqs]
-        self._sd_verified = sum(len(d.tokens) + 1 for d in drafts)
+        self._verified = sum(len(d.tokens) + 1 for d in drafts)
         q_draft = [self.current[s.seq_id][1] for s in seqs]
         sources = [self.current[s.seq_id][2] for s in seqs]
         # The suffix length each point draft matched, read now: the round's fast backups overwrite _match
