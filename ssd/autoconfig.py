@@ -258,6 +258,8 @@ def rows_time(t: dict[int, float], n: int) -> float:
     """A forward of n rows from timings at some row counts: piecewise-linear between them, and past the
     largest along the last segment's slope (a batch's verification and branches outgrow the one-sequence
     sizes timed at start-up, and the rows' compute grows with them)."""
+    if n in t:
+        return t[n]
     ns = sorted(t)
     if len(ns) < 2 or n <= ns[-1]:
         return interpolate(t, n)
@@ -298,8 +300,6 @@ def feed_time(t_chain: dict[int, float]) -> float | None:
 def spec_time(t_chain: dict[int, float], t_branch: dict[int, float], k: int, b: int, batch: int = 1) -> float:
     """Start-up estimate of one round's speculation: score the K + 1 chain tokens, then K steps of b branches,
     for each of `batch` sequences in the same forwards."""
-    if batch == 1:
-        return t_chain[k + 1] + k * t_branch[b]
     return rows_time(t_chain, batch * (k + 1)) + k * rows_time(t_branch, batch * b)
 
 

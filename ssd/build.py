@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ssd.autoconfig import K_CHOICES, AutoConfig, KTuner, RankedHits, SSDTuner, autoconfigure, feed_time, rows_time
+from ssd.autoconfig import K_CHOICES, AutoConfig, KTuner, RankedHits, SSDTuner, autoconfigure, feed_time, spec_time
 from ssd.autoconfig_cache import autoconfig_key, cached_autoconfigure
 from ssd.config import Config
 from ssd.engine import Engine
@@ -92,7 +92,7 @@ def make_mode(
     mode.draft_timeout_s = cfg.draft_timeout_s
     if ac is not None:  # the policy starts from this machine's latencies
         # the speculation of the K and B the mode starts with (a user's K or fan-out, or the tuner's)
-        spec = rows_time(ac.t_chain, k + 1) + k * rows_time(ac.t_draft, mode.planner.B)
+        spec = spec_time(ac.t_chain, ac.t_draft, k, mode.planner.B)
         draft_lend = ac.draft_borrow_share or 1.0  # just-in-time drafts run on borrowed cores where they can
         # Where AR, SD and n-gram verify on borrowed cores, the own line prices SSD rounds only, which verify
         # while the draft speculates: seeded from forwards timed alone, it priced them low (session 40, Zen 5).
@@ -103,8 +103,7 @@ def make_mode(
         def spec_batch_factor(batch: int, mode: SSDMode = mode, ac: AutoConfig = ac) -> float:
             """A batch's speculation over one sequence's, at the mode's current K and B (start-up timings)."""
             k, b = mode.k, mode.planner.B
-            one = rows_time(ac.t_chain, k + 1) + k * rows_time(ac.t_draft, b)
-            return (rows_time(ac.t_chain, batch * (k + 1)) + k * rows_time(ac.t_draft, batch * b)) / one
+            return spec_time(ac.t_chain, ac.t_draft, k, b, batch) / spec_time(ac.t_chain, ac.t_draft, k, b)
 
         mode.cost.spec_batch_factor = spec_batch_factor
         if ac.t_borrowed is not None:

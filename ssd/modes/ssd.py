@@ -249,8 +249,10 @@ class SSDMode(DraftBackedMode):
     def _ngram_plan(self, seqs: list[Sequence]) -> NgramPlan:
         """This round's n-gram drafts, priced per sequence from each lookup's length and match length."""
         self._lookups = {s.seq_id: ngram_match(s.prompt_ids + s.output_ids, NGRAM_K_MAX, self.ngram_max) for s in seqs}
-        looks = [(min(len(t), max(0, s.remaining - 1)), self.cost.ngram_acceptance(m))
-                 for s, (t, m) in zip(seqs, (self._lookups[s.seq_id] for s in seqs))]
+        looks = []  # (tokens it drafts, acceptance) per sequence
+        for s in seqs:
+            tokens, match = self._lookups[s.seq_id]
+            looks.append((min(len(tokens), max(0, s.remaining - 1)), self.cost.ngram_acceptance(match)))
         plan = plan_ngram(self.cost, looks, NGRAM_K_MAX)
         self._ngram_k = plan.k
         return plan
