@@ -99,6 +99,9 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-timeout", dest="draft_timeout_s", type=_timeout,
                    help="seconds before an unanswered draft call counts as a hung draft, replaced while decoding "
                         "goes on without it (default 60; 'none' waits forever)")
+    g.add_argument("--target-timeout", dest="target_timeout_s", type=_timeout,
+                   help="seconds before an unanswered target call counts as a lost target: its running requests "
+                        "fail and a fresh target actor replaces it (default: none, wait forever)")
     g.add_argument("--no-draft-gate", dest="draft_gate", action="store_false", default=None,
                    help="greedy drafts always run to K instead of stopping where the draft is unsure")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "bf16", "fp32"), help="weights dtype")
@@ -248,7 +251,7 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise CLIError("--target-tp must be >= 1")
     for flag, key in (("k", "k"), ("fanout", "fanout"), ("saguaro_c", "saguaro_c"), ("candidates", "candidates"),
                       ("candidate_vocab", "candidate_vocab"), ("draft_lookahead", "draft_lookahead"),
-                      ("draft_timeout_s", "draft_timeout_s"),
+                      ("draft_timeout_s", "draft_timeout_s"), ("target_timeout_s", "target_timeout_s"),
                       ("dtype", "dtype"), ("max_batch", "max_batch"),
                       ("max_len", "max_len")):
         v = getattr(args, flag)

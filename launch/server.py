@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ssd.engine import TargetLost
 from ssd.sampling_params import SamplingParams, is_int
 from ssd.sequence import Sequence, Status, stable_text_len
 
@@ -581,6 +582,8 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
     def make_seq(prompt: str | list[int], params: SamplingParams, param: str):
         try:
             return engine.make_sequence(prompt, params)
+        except TargetLost as e:
+            raise APIError(503, str(e), type_="server_error") from None
         except ValueError as e:
             msg = str(e)
             code = "context_length_exceeded" if "context" in msg else None
@@ -727,6 +730,9 @@ def create_app(llm: Any, model_name: str, *, shutdown_llm: bool = False) -> Fast
         if not loop_.alive:
             return JSONResponse({"status": "error", "message": "engine thread is not running"},
                                 status_code=503)
+        lost = getattr(engine, "lost", None)  # the target is gone and could not be replaced
+        if lost is not None:
+            return JSONResponse({"status": "error", "message": str(lost)}, status_code=503)
         return {"status": "ok", "model": model_name, "running": loop_.running, "waiting": loop_.waiting}
 
     def model_card() -> dict:

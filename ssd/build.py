@@ -199,6 +199,7 @@ def _assemble(
     eos = list(info["eos_token_ids"])
     if tokenizer is not None:
         eos = sorted(set(eos) | set(tokenizer.eos_token_ids))
+    mode.target_timeout_s = cfg.target_timeout_s
     engine = Engine(
         target, mode, tokenizer=tokenizer, vocab_size=info["vocab_size"], eos_token_ids=eos,
         max_len=cfg.max_len, max_batch=cfg.max_batch,

@@ -73,6 +73,10 @@ class Config:
     # A draft call still unanswered after this many seconds counts as a hung draft: rounds go on without it
     # (exact either way) while a fresh draft actor replaces it. None waits forever.
     draft_timeout_s: float | None = 60.0
+    # A target call still unanswered after this many seconds counts as a lost target: the running requests
+    # fail with that error and a fresh target actor replaces it (in-process: the engine refuses new work).
+    # None (the default) waits forever: a long prompt's prefill can legitimately take minutes on CPU.
+    target_timeout_s: float | None = None
     max_batch: int = 8
     max_len: int = 2048
     ngram_max: int = 4
@@ -146,14 +150,8 @@ class Config:
             raise ValueError(f"ray_channel must be True or False, got {self.ray_channel!r}")
         if not isinstance(self.autoconfig_cache, bool):
             raise ValueError(f"autoconfig_cache must be True or False, got {self.autoconfig_cache!r}")
-        t = self.draft_timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-            raise ValueError(f"draft_timeout_s must be a number of seconds > 0 or None, got {t!r}")
-        if t is not None and math.isinf(t):
-            self.draft_timeout_s = None  # waits forever (a future's wait cannot take an infinite timeout)
-        elif t is not None and t > threading.TIMEOUT_MAX:
-            raise ValueError(f"draft_timeout_s must be at most {threading.TIMEOUT_MAX:.0f} s, or None (or inf) to "
-                             f"wait forever, got {t!r}")
+        for name in ("draft_timeout_s", "target_timeout_s"):
+            self._check_timeout(name)
         for name in ("target_cores", "draft_cores"):
             self._check_cores(name)
         if not (isinstance(self.max_batch, int) and self.max_batch >= 1):
@@ -203,6 +201,16 @@ class Config:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; use one of {', '.join(LINEAR_KERNELS)}")
 
+
+    def _check_timeout(self, name: str) -> None:
+        t = getattr(self, name)
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"{name} must be a number of seconds > 0 or None, got {t!r}")
+        if t is not None and math.isinf(t):
+            setattr(self, name, None)  # waits forever (a future's wait cannot take an infinite timeout)
+        elif t is not None and t > threading.TIMEOUT_MAX:
+            raise ValueError(f"{name} must be at most {threading.TIMEOUT_MAX:.0f} s, or None (or inf) to "
+                             f"wait forever, got {t!r}")
 
     def _check_cores(self, name: str) -> None:
         cores = getattr(self, name)

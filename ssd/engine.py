@@ -9,13 +9,17 @@ import time
 from collections import Counter
 from typing import Any
 
-from ssd.handles import WorkerHandle
+from ssd.handles import WorkerDied, WorkerHandle
 from ssd.modes.base import Mode, spec_of
 from ssd.sampling_params import SamplingParams
 from ssd.scheduler import Scheduler
 from ssd.sequence import Sequence, Status
 
 log = logging.getLogger("ssd")
+
+
+class TargetLost(RuntimeError):
+    """The target worker died or stopped answering, and this engine cannot replace it."""
 
 
 class Engine:
@@ -41,6 +45,11 @@ class Engine:
         self.lock = threading.Lock()  # the server steps the engine from one thread, adds from another
         self.totals = {"requests": 0, "drafted_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0}
         self.busy_s = 0.0  # wall time spent inside step()
+        # A target that died or stopped answering (its requests failed with the error): replaced (a Ray actor's
+        # handle restarts it) before the next round; where it cannot be, the engine refuses work with TargetLost.
+        self.target_down: WorkerDied | None = None
+        self.target_restarts = 0
+        self.lost: TargetLost | None = None
 
     # -- requests ----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -56,6 +65,8 @@ class Engine:
         return ids
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        if self.lost is not None:
+            raise self.lost
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -101,19 +112,32 @@ class Engine:
 
     def _step(self) -> list[tuple[Sequence, list[int]]]:
         with self.lock:
-            for seq in self.scheduler.admit():
+            if self.target_down is not None:
+                self._replace_target()
+            newcomers = self.scheduler.admit()
+            for i, seq in enumerate(newcomers):
+                if self.target_down is not None:  # lost while admitting: the rest wait for a fresh target
+                    self.scheduler.requeue(newcomers[i:])
+                    break
                 try:
                     self._admit(seq)
                 except Exception as e:  # fail this request only; the other newcomers go on
                     log.exception("admitting request %d failed", seq.seq_id)
+                    self._note_target_loss(e)
                     self.scheduler.remove(seq)
                     seq.fail(f"{type(e).__name__}: {e}")
-                    self.target.call("remove", seq.seq_id)
+                    self._forget_on_target(seq)
                     self.mode.remove(seq)
             running = list(self.scheduler.running)
             if not running:
                 return []
-            outcomes = self.mode.round(running)
+            if self.target_down is not None:  # lost while admitting: the running requests' state went with it
+                raise self.target_down
+            try:
+                outcomes = self.mode.round(running)
+            except Exception as e:
+                self._note_target_loss(e)
+                raise
             emitted = []
             for seq, o in zip(running, outcomes):
                 kept = seq.append(o.tokens)
@@ -136,14 +160,50 @@ class Engine:
             self.mode.add(seq)
             draft_s = time.perf_counter() - t0
         finally:
-            added.result()  # the target's error, if any, wins: it fails the request either way
+            self.mode.target_result(added)  # the target's error, if any, wins: it fails the request either way
         if cut is not None:
             t0 = time.perf_counter()
-            self.target.call("extend", seq.seq_id, ids[cut:], True).result()
+            self.mode.target_result(self.target.call("extend", seq.seq_id, ids[cut:], True))
             self.mode.observe_prefill(len(ids), cut, draft_s, time.perf_counter() - t0)
 
+    # -- a lost target -----------------------------------------------------------------------
+    max_target_restarts = 3
+
+    def _note_target_loss(self, e: BaseException) -> None:
+        """A WorkerDied that reaches the engine is the target's (a draft's loss stays inside the mode)."""
+        if isinstance(e, WorkerDied) and self.target_down is None:
+            log.error("target worker lost (%s); its running requests fail", e)
+            self.target_down = e
+
+    def _replace_target(self) -> None:
+        """Before a round after the target was lost: a fresh target (empty: its requests already failed), or,
+        where the handle cannot restart its worker (in-process) or restarts ran out, every waiting request
+        fails and the engine refuses new ones."""
+        err, restart = self.target_down, getattr(self.target, "restart", None)
+        if restart is not None and self.target_restarts < self.max_target_restarts:
+            self.target_restarts += 1
+            log.warning("starting a fresh target worker (restart %d of %d)", self.target_restarts,
+                        self.max_target_restarts)
+            try:
+                restart()
+            except Exception as e:  # noqa: BLE001 - reported as the reason the engine stops serving
+                err = WorkerDied(self.target.name, e)
+            else:
+                self.target_down = None
+                return
+        how = "cannot be replaced in this process" if restart is None else "could not be replaced"
+        self.lost = TargetLost(f"the target worker is lost and {how} ({err}); start a new engine")
+        for seq in list(self.scheduler.waiting):
+            self.scheduler.remove(seq)
+            seq.fail(str(self.lost))
+        raise self.lost
+
+    def _forget_on_target(self, seq: Sequence) -> None:
+        if self.target_down is None:  # a lost target's state is gone with it
+            self.target.call("remove", seq.seq_id)
+
     def _release(self, seq: Sequence) -> None:
-        self.target.call("remove", seq.seq_id)
+        self._forget_on_target(seq)
         self.mode.remove(seq)
         self.totals["requests"] += 1
         self.totals["drafted_tokens"] += seq.metrics.drafted_tokens

@@ -23,12 +23,15 @@ _CUDA_TURN = threading.Lock()  # held by an in-process CUDA worker for the whole
 
 
 class WorkerDied(RuntimeError):
-    """A worker process is gone (killed, crashed, its node died) or cannot be reached. `startup_error`: the
-    error its constructor raised, as text, when that is why (a bad setting, a model that cannot load)."""
+    """A worker process is gone (killed, crashed, its node died), cannot be reached or stopped answering.
+    `startup_error`: the error its constructor raised, as text, when that is why (a bad setting, a model that
+    cannot load)."""
 
     def __init__(self, name: str, cause: BaseException | None = None, startup_error: str | None = None) -> None:
         if startup_error:
             super().__init__(f"worker {name!r} failed to start: {startup_error}")
+        elif isinstance(cause, TimeoutError):
+            super().__init__(f"worker {name!r} stopped answering: {cause}")
         else:
             super().__init__(f"worker {name!r} died: {cause}")
         self.name = name

@@ -26,6 +26,13 @@ class Scheduler:
             joined.append(seq)
         return joined
 
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """Newcomers that could not be admitted go back to the front of the queue, in order."""
+        for seq in reversed(seqs):
+            self.running.remove(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
     def retire(self) -> list[Sequence]:
         done = [s for s in self.running if s.finished]
         self.running = [s for s in self.running if not s.finished]

@@ -375,6 +375,27 @@ class TestLocalRay:
         assert all(s.finish_reason == "length" for s in seqs)
         assert late == local_outputs["ar"][0]
 
+    def test_target_killed_mid_generation(self, models, local_outputs):
+        """The target's actor dies: its running requests fail with that error (their KV went with it); the
+        engine starts a fresh target actor and serves the next requests exactly."""
+        target, draft = models
+        with LLM(target=target, draft=draft, mode="ssd", k=3, use_ray=True, **COMMON) as llm:
+            eng = llm.engine
+            seqs = [eng.make_sequence(p, GREEDY) for p in PROMPTS]
+            for s in seqs:
+                eng.add(s)
+            for _ in range(2):
+                eng.step()
+            ray.kill(eng.target.actor)
+            with pytest.raises(WorkerDied, match="target"):
+                for _ in range(20):  # the kill is asynchronous: a call may still be served
+                    eng.step()
+            assert eng.target_down is not None
+            llm._abort_unfinished(seqs)
+            outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+            assert eng.target_restarts == 1 and eng.target_down is None and eng.target.alive()
+        assert outs == local_outputs["ar"]
+
 
 # -- two Ray nodes ---------------------------------------------------------------------------------
 

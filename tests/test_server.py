@@ -242,6 +242,21 @@ def test_models_and_health(http):
     assert r.status_code == 405 and "POST" in r.headers.get("allow", ""), r.headers
 
 
+def test_a_lost_target_makes_health_and_new_requests_503(served, http):
+    from ssd.engine import TargetLost
+
+    engine = served["llm"].engine
+    engine.lost = TargetLost("the target worker is lost and cannot be replaced in this process (killed)")
+    try:
+        h = http.get("/health")
+        assert h.status_code == 503 and "target worker is lost" in h.json()["message"]
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "def f", "max_tokens": 2})
+        assert r.status_code == 503 and "target worker is lost" in r.json()["error"]["message"], r.text
+    finally:
+        engine.lost = None
+    assert http.get("/health").json()["status"] == "ok"
+
+
 def test_an_oversized_body_is_refused_before_it_is_read(http):
     from ssd.launch.server import MAX_BODY_BYTES
 

@@ -1,4 +1,5 @@
-"""SSD keeps serving exactly when the draft worker dies at any point of a round (in-process)."""
+"""SSD keeps serving exactly when the draft worker dies at any point of a round (in-process); a lost target
+fails its requests with its error, and the engine serves the next ones on a fresh target."""
 
 from concurrent.futures import Future
 
@@ -6,7 +7,9 @@ import pytest
 from tiny_models import random_model
 
 from ssd import LLM, SamplingParams
+from ssd.engine import TargetLost
 from ssd.handles import LocalHandle, WorkerDied
+from ssd.sequence import Status
 from ssd.workers.draft_worker import DraftWorker
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -97,3 +100,99 @@ def test_draft_timeout_option_is_checked():
     assert Config(target="t", draft="d", draft_timeout_s=float("inf")).draft_timeout_s is None
     with pytest.raises(ValueError, match="at most"):
         Config(target="t", draft="d", draft_timeout_s=1e12)
+
+
+class FailingTarget(LocalHandle):
+    """A target handle whose n-th call of `method` (and every call after it) dies or hangs, until restarted.
+    `restartable=False` behaves like an in-process target: nothing can replace it."""
+
+    def __init__(self, make, method: str, fail_at: int, how: str, restartable: bool = True) -> None:
+        super().__init__(make(), "target")
+        self.make, self.method, self.fail_at, self.how, self.calls, self.dead = make, method, fail_at, how, 0, False
+        if restartable:
+            self.restart = self._restart
+
+    def call(self, method, *args, **kwargs):
+        if method == self.method:
+            self.calls += 1
+            self.dead = self.dead or self.calls == self.fail_at
+        if self.dead:
+            f = Future()
+            if self.how == "dies":
+                f.set_exception(WorkerDied("target", RuntimeError("killed")))
+            return f  # "hangs": never answered
+        return super().call(method, *args, **kwargs)
+
+    def _restart(self):
+        self.worker, self.dead = self.make(), False
+        return self
+
+
+def _with_failing_target(llm, target_model, **kw) -> FailingTarget:
+    from ssd.workers.target_worker import TargetWorker
+
+    h = FailingTarget(lambda: TargetWorker(target_model, dtype="float32", max_slots=3, max_len=128), **kw)
+    llm.engine.target = llm.engine.mode.target = h
+    return h
+
+
+@pytest.mark.parametrize("mode_name,method,fail_at,how", [
+    ("ar", "decode", 3, "hangs"), ("sd", "verify", 2, "dies"), ("ssd", "verify", 3, "hangs"),
+    ("ssd", "add", 2, "dies"), ("ssd", "add", 1, "hangs"),
+])
+def test_a_lost_target_fails_its_requests_and_a_fresh_one_serves_the_next(models, ar_outputs, mode_name, method,
+                                                                          fail_at, how):
+    """A target that dies or leaves a call unanswered past target_timeout_s fails the running requests with
+    that error; the next round runs on a fresh target (RayHandle.restart), exactly as before."""
+    target, draft = models
+    kw = {"draft": draft, "k": 3} if mode_name != "ar" else {}
+    with LLM(target=target, mode=mode_name, target_timeout_s=0.5, **kw, **COMMON) as llm:
+        assert llm.engine.mode.target_timeout_s == 0.5
+        h = _with_failing_target(llm, target, method=method, fail_at=fail_at, how=how)
+        with pytest.raises(RuntimeError, match="no answer within 0.5 s .target_timeout_s." if how == "hangs"
+                           else "killed"):
+            llm.generate(PROMPTS, GREEDY)
+        # lost at the first admission, the call itself went on to restart the target and serve the others
+        assert not llm.engine.has_work and (llm.engine.target_down is not None) == (fail_at > 1 or method != "add")
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        h.shutdown()
+    assert outs == ar_outputs  # the fresh target, and a draft that forgot the failed requests
+    assert llm.engine.target_restarts == 1 and llm.engine.target_down is None
+
+
+def test_an_in_process_target_that_hangs_fails_every_request_and_refuses_new_ones(models):
+    target, draft = models
+    with LLM(target=target, draft=draft, mode="ssd", k=3, target_timeout_s=0.3, **COMMON) as llm:
+        h = _with_failing_target(llm, target, method="verify", fail_at=2, how="hangs", restartable=False)
+        done = llm.engine.make_sequence([1, 2, 3], GREEDY)
+        waiting = [llm.engine.make_sequence(p, GREEDY) for p in PROMPTS]  # 3 run, 1 waits for a slot
+        for s in [done, *waiting]:
+            llm.engine.add(s)
+        with pytest.raises(WorkerDied, match="no answer within 0.3 s"):
+            while llm.engine.has_work:
+                llm.engine.step()
+        with pytest.raises(TargetLost, match="cannot be replaced in this process.*no answer within 0.3 s"):
+            llm.engine.step()  # the round after: the request still waiting fails, not left queued forever
+        queued = [s for s in [done, *waiting] if s.status is not Status.RUNNING]
+        assert queued and all(s.error and "target worker is lost" in s.error for s in queued)
+        with pytest.raises(TargetLost):
+            llm.generate(PROMPTS, GREEDY)  # refused at once, nothing queued
+        assert not llm.engine.scheduler.waiting
+        h.shutdown()
+
+
+def test_target_timeout_option_is_checked():
+    from ssd.config import Config
+    from ssd.launch.cli import config_kwargs, serve_parser
+
+    assert Config(target="t").target_timeout_s is None  # waits forever unless asked
+    assert Config(target="t", target_timeout_s=float("inf")).target_timeout_s is None
+    for bad in (0, -1, "10", True):
+        with pytest.raises(ValueError, match="target_timeout_s must be"):
+            Config(target="t", target_timeout_s=bad)
+    def kw(*argv):
+        return config_kwargs(serve_parser().parse_args(["--target", "qwen-coder-0.5b", *argv]))
+
+    assert kw("--target-timeout", "30")["target_timeout_s"] == 30.0
+    assert kw("--target-timeout", "none")["target_timeout_s"] == float("inf")  # Config: None
+    assert "target_timeout_s" not in kw()

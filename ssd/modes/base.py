@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
-from ssd.handles import WorkerHandle
+from ssd.handles import WorkerDied, WorkerFuture, WorkerHandle
 from ssd.sequence import Sequence
 from ssd.workers.messages import Draft, Outcome, SamplingSpec
 
@@ -47,11 +48,21 @@ class RoundStats:
 
 class Mode:
     name = "base"
+    target_timeout_s: float | None = None  # a target call unanswered this long counts as a lost target
 
     def __init__(self, target: WorkerHandle, k: int = 4) -> None:
         self.target = target
         self.k = k
         self.stats = RoundStats()
+
+    def target_result(self, fut: WorkerFuture) -> Any:
+        """The result of a target call; WorkerDied if none comes within target_timeout_s (the engine then
+        fails the running requests and replaces the target where it can)."""
+        try:
+            return fut.result(timeout=self.target_timeout_s)
+        except TimeoutError as e:
+            raise WorkerDied(self.target.name, TimeoutError(
+                f"no answer within {self.target_timeout_s} s (target_timeout_s)")) from e
 
     def add(self, seq: Sequence) -> None:
         """Register a sequence with the draft side (the engine already added it to the target)."""
@@ -79,7 +90,7 @@ class Mode:
         t0 = time.perf_counter()
         # borrow: the target computes on the draft's cores too (TargetWorker.verify); only asked when set.
         args = (drafts, q_draft, True) if borrow else (drafts, q_draft)
-        outcomes = self.target.call("verify", *args).result()
+        outcomes = self.target_result(self.target.call("verify", *args))
         self.stats.verify_s += time.perf_counter() - t0
         return outcomes
 
@@ -113,7 +124,7 @@ class ARMode(Mode):
             t0 = time.perf_counter()
             steps = [max(1, min(self.steps, s.remaining)) for s in seqs]
             stops = [sorted(s.stop_ids) for s in seqs]
-            outcomes = self.target.call("decode", [s.seq_id for s in seqs], steps, stops).result()
+            outcomes = self.target_result(self.target.call("decode", [s.seq_id for s in seqs], steps, stops))
             self.stats.verify_s += time.perf_counter() - t0
         self._record(seqs, drafts, outcomes, "ar")
         # Statistics count target forwards as rounds, as with one token per call (tau stays 1).

@@ -483,7 +483,7 @@ class SSDMode(DraftBackedMode):
         fut_s = self.draft.call("speculate", requests)  # runs on the draft's device meanwhile (feeds any lag)
         for s in seqs:
             self._lag.pop(s.seq_id, None)
-        outcomes = fut_v.result()  # a target failure propagates: it fails the batch with its error
+        outcomes = self.target_result(fut_v)  # a target failure propagates: it fails the batch with its error
         t_verify = time.perf_counter() - t0
         self.stats.verify_s += t_verify
         self._observe_verify(drafts, t_verify)
