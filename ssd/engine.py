@@ -116,23 +116,23 @@ class Engine:
                 self._replace_target()
             newcomers = self.scheduler.admit()
             for i, seq in enumerate(newcomers):
-                if self.target_down is not None:  # lost while admitting: the rest wait for a fresh target
-                    self.scheduler.requeue(newcomers[i:])
-                    break
                 try:
                     self._admit(seq)
                 except Exception as e:  # fail this request only; the other newcomers go on
                     log.exception("admitting request %d failed", seq.seq_id)
-                    self._note_target_loss(e)
+                    if isinstance(e, WorkerDied):  # the target's: the rest wait for a fresh one
+                        self.scheduler.requeue(newcomers[i + 1:])
+                        self._note_target_loss(e)
+                        break
                     self.scheduler.remove(seq)
                     seq.fail(f"{type(e).__name__}: {e}")
                     self._forget_on_target(seq)
                     self.mode.remove(seq)
+            if self.target_down is not None:  # lost while admitting
+                raise self.target_down
             running = list(self.scheduler.running)
             if not running:
                 return []
-            if self.target_down is not None:  # lost while admitting: the running requests' state went with it
-                raise self.target_down
             try:
                 outcomes = self.mode.round(running)
             except Exception as e:
@@ -170,10 +170,17 @@ class Engine:
     max_target_restarts = 3
 
     def _note_target_loss(self, e: BaseException) -> None:
-        """A WorkerDied that reaches the engine is the target's (a draft's loss stays inside the mode)."""
-        if isinstance(e, WorkerDied) and self.target_down is None:
+        """A WorkerDied that reaches the engine is the target's (a draft's loss stays inside the mode): every
+        running request fails with it, whoever added it (its KV went with the target)."""
+        if not isinstance(e, WorkerDied):
+            return
+        if self.target_down is None:
             log.error("target worker lost (%s); its running requests fail", e)
             self.target_down = e
+        for seq in list(self.scheduler.running):
+            self.scheduler.remove(seq)
+            seq.fail(f"{type(e).__name__}: {e}")
+            self._release(seq)
 
     def _replace_target(self) -> None:
         """Before a round after the target was lost: a fresh target (empty: its requests already failed), or,

@@ -9,6 +9,8 @@ for steady-state decode steps of a quantised (batch-invariant) model:
   2. the same number of allocations every step (no step-dependent extra work);
   3. no single allocation as large as one layer's KV-cache slab for a slot or a weight matrix:
      keys/values are read as views of the cache (no gather), weights are never dequantised.
+The block modes (w4a8, w8a8) run a decode step's layers in one C call (fused.py), whose own buffers the
+profiler does not see: for them this covers the Python side of the step only.
 """
 
 import pytest
@@ -19,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from ssd.workers.model_runner import ModelRunner
 from ssd.workers.models.quant import quantize_model
 
-HIDDEN, HEADS, KV_HEADS, VOCAB, MAX_LEN = 256, 4, 2, 512, 512
+HIDDEN, HEADS, KV_HEADS, VOCAB, MAX_LEN, PROMPT = 256, 4, 2, 512, 512, 100
 
 
 def step_allocations(runner, slots, toks):
@@ -42,7 +44,7 @@ def test_decode_step_steady_state(mode, slots):
     assert model.batch_invariant
     runner = ModelRunner(model, max_slots=2, max_len=MAX_LEN)
     for s in (runner.allocate(), runner.allocate()):
-        runner.forward([s], [list(range(3, 103))])
+        runner.forward([s], [list(range(3, 3 + PROMPT))])
     toks = [5] * len(slots)
     for _ in range(3):  # warm-up
         toks, _, _ = step_allocations(runner, slots, toks)
@@ -51,7 +53,8 @@ def test_decode_step_steady_state(mode, slots):
         toks, allocs, net = step_allocations(runner, slots, toks)
         assert net == 0, f"{net} bytes allocated in a decode step were still held after it"
         counts.append(len(allocs))
-        kv_slab = KV_HEADS * MAX_LEN * (HIDDEN // HEADS) * 2  # one layer, one slot, bf16: 128 KiB
-        weight = HIDDEN * 2 * HIDDEN  # smallest int8 weight matrix here (o_proj is 256 x 256): 64 KiB
-        assert max(allocs) < min(kv_slab, weight) // 4, f"a {max(allocs)}-byte allocation in the hot path"
+        # A gather of one layer's keys for one sequence at its present context (~100 tokens, bf16): 25 KiB
+        kv_gather = KV_HEADS * PROMPT * (HIDDEN // HEADS) * 2
+        weight = HIDDEN * HIDDEN  # smallest int8 weight matrix here (o_proj is 256 x 256): 64 KiB
+        assert max(allocs) < min(kv_gather, weight) // 4, f"a {max(allocs)}-byte allocation in the hot path"
     assert len(set(counts)) == 1, f"allocations per step vary: {counts}"

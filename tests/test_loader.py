@@ -295,6 +295,7 @@ def _write_gguf(
     rope_freqs: bool = False,
     drop: str | None = None,
     pre: str | None = None,
+    f64: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write `hf` as llama.cpp would; return the tensors the loader should produce (HF names, fp32)."""
     cfg = hf.config
@@ -341,7 +342,7 @@ def _write_gguf(
             w.add_tensor(gname, q, raw_dtype=Q8)
             a = _undo(gguf.quants.dequantize(q, Q8), arch, gname, cfg)
         else:
-            w.add_tensor(gname, np.ascontiguousarray(stored, dtype=np.float32))
+            w.add_tensor(gname, np.ascontiguousarray(stored, dtype=np.float64 if gname == f64 else np.float32))
         expected[name] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
     if rope_freqs:  # what convert_hf_to_gguf.py writes for a llama3 rope_scaling
         w.add_tensor("rope_freqs.weight", _llama3_factors(cfg))
@@ -407,6 +408,30 @@ def test_gguf_roundtrip(tmp_path: Path, arch: str, bpe: Backend) -> None:
     assert lm.tokenizer is not None
     assert lm.tokenizer.eos_token_ids[0] == bpe.token_to_id("<|im_end|>")
     assert lm.config.eos_token_ids == lm.tokenizer.eos_token_ids
+
+
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_q8_0_codes_are_kept_in_the_block_modes(tmp_path: Path, arch: str, mode: str) -> None:
+    """A Q8_0 file is W8A8's own format (w = d * q, d fp16 per 32): loaded in bf16 (the default), every layer
+    holds the file's weights exactly, not a re-rounding of their bf16 copies (which moves ~0.4 % of the codes)."""
+    from ssd.workers.models.blockquant import W8A8Linear
+
+    hf = _hf_model(arch)
+    expected = _write_gguf(tmp_path / "q8.gguf", arch, hf, None)  # fp32 dequantisation of the file's blocks
+    lm = load_model(str(tmp_path / "q8.gguf"), dtype=torch.bfloat16, cache_dir=str(tmp_path / "c"), progress=False,
+                    quantization=mode)
+    mods = dict(lm.model.named_modules())
+    for i in range(lm.config.num_hidden_layers):
+        parts = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                 "self_attn.o_proj": ["self_attn.o_proj"], "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+                 "mlp.down_proj": ["mlp.down_proj"]}
+        for fused, names in parts.items():
+            m = mods[f"layers.{i}.{fused}"]
+            want = torch.cat([expected[f"layers.{i}.{n}.weight"] for n in names])
+            assert isinstance(m, W8A8Linear) and torch.equal(m.dequantize(), want), (i, fused)
+    if "lm_head.weight" in expected and not lm.config.tie_word_embeddings:
+        assert torch.equal(lm.model.lm_head.dequantize(), expected["lm_head.weight"])
 
 
 def test_native_quantization(tmp_path: Path) -> None:
@@ -482,6 +507,9 @@ def test_gguf_errors_and_stale_cache(tmp_path: Path) -> None:
     _write_gguf(path, "qwen2", hf, None, quantize=False, drop="blk.1.ffn_up.weight")
     with pytest.raises(ValueError, match=r"missing.*layers\.1\.mlp\.up_proj\.weight"):
         load_model(str(path), cache_dir=str(tmp_path / "c"), progress=False)
+    _write_gguf(tmp_path / "f64.gguf", "qwen2", hf, None, quantize=False, f64="blk.0.ffn_up.weight")
+    with pytest.raises(ValueError, match="tensor blk.0.ffn_up.weight has GGUF type F64, which this loader cannot"):
+        load_model(str(tmp_path / "f64.gguf"), cache_dir=str(tmp_path / "c"), progress=False)
 
     w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma")
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))

@@ -238,3 +238,79 @@ def test_load_model_int4_uses_gguf_codes():
     k, n = (int(x) for x in t.shape[:2])
     codes, _, _ = q4k_to_affine(torch.from_numpy(np.asarray(t.data).copy()), n, k)
     assert torch.equal(mods[int4[0]].codes(), codes)
+
+
+def _random_q4k_gguf(path, vocab: int, hidden: int = 256, ffn: int = 512, heads: int = 4, kv: int = 2) -> None:
+    """A tiny qwen2 GGUF whose linear weights (the head too) are Q4_K blocks of random bytes with sane scales."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    q4k = gguf.GGMLQuantizationType.Q4_K
+
+    def blocks(n: int, k: int) -> np.ndarray:
+        b = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
+        for off in (0, 2):  # d and dmin, fp16
+            b[:, off:off + 2] = (np.abs(rng.standard_normal(len(b))) * 3e-3 + 1e-4).astype(np.float16).view(
+                np.uint8).reshape(-1, 2)
+        return b.reshape(n, -1)
+
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_block_count(1)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, hidden)) * 0.05).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("output.weight", blocks(vocab, hidden), raw_dtype=q4k)
+    hd = hidden // heads
+    for part, (n, k) in {"attn_q": (hidden, hidden), "attn_k": (kv * hd, hidden), "attn_v": (kv * hd, hidden),
+                         "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
+                         "ffn_down": (hidden, ffn)}.items():
+        w.add_tensor(f"blk.0.{part}.weight", blocks(n, k), raw_dtype=q4k)
+    for norm in ("attn_norm", "ffn_norm"):
+        w.add_tensor(f"blk.0.{norm}.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_q4k_codes_of_any_row_count_are_kept_where_the_kernel_takes_them(tmp_path):
+    """W4A8 takes any row count (tiles of 8 rows, padded): a Q4_K head of 72 rows keeps the file's codes in
+    w4a8-all. Torch's int4 kernel needs whole column blocks: in int4 the same head is int8, not an error."""
+    import gguf
+
+    from ssd.workers.loader import load_model
+    from ssd.workers.models.blockquant import W4A8Linear
+
+    path = tmp_path / "q4k.gguf"
+    _random_q4k_gguf(path, vocab=72)
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "output.weight")
+    codes, _, _ = q4k_to_affine(torch.from_numpy(np.asarray(t.data).copy()), 72, 256)
+    assert not Int4Linear.supports(72, 256)
+    head = load_model(str(path), dtype=torch.bfloat16, cache_dir=str(tmp_path / "c"), progress=False,
+                      quantization="w4a8-all").model.lm_head
+    assert isinstance(head, W4A8Linear) and torch.equal(head.codes().to(torch.uint8), codes)
+    lm = load_model(str(path), dtype=torch.bfloat16, cache_dir=str(tmp_path / "c"), progress=False,
+                    quantization="int4")
+    assert isinstance(lm.model.lm_head, Int8Linear) and isinstance(lm.model.layers[0].mlp.down_proj, Int4Linear)
+
+
+def test_a_built_module_is_quantised_on_a_copy_and_never_twice():
+    """One module as target (w4a8) and draft (w4a8-g64): each worker gets its own format and the caller's module
+    keeps its floating-point layers; quantising a quantised model again is an error, not a silent no-op."""
+    from ssd.workers.models.blockquant import W4A8Linear, W4G64A8Linear
+
+    m = random_model(vocab=64, hidden=128, heads=4, kv_heads=2)
+    target, _ = build_model(m, torch.bfloat16, "cpu", "w4a8")
+    draft, _ = build_model(m, torch.bfloat16, "cpu", "w4a8-g64")
+    assert isinstance(target.layers[0].mlp.down_proj, W4A8Linear)
+    assert isinstance(draft.layers[0].mlp.down_proj, W4G64A8Linear)
+    assert isinstance(m.layers[0].mlp.down_proj, torch.nn.Linear) and m.lm_head.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="already quantised .'w4a8'."):
+        quantize_model(target, "int4")
+    assert quantize_model(target, "w4a8") is target  # the same mode again: nothing to do

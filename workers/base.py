@@ -75,20 +75,18 @@ def build_model(
     """A DecoderModel from an alias / path (loaded) or an already-built module (tests). Returns (model, tokenizer).
 
     quantization ("int8" / "int4" / "w4a8" / "w8a8"): quantised linear layers (workers/models/quant.py).
-    An already-built module is quantised in place, from its weights in `dtype`. linear_kernel: see
-    `workers.models.dense.apply_linear_kernel` (an already-built module is converted on a copy, so
-    the caller's module keeps its nn.Linear layers).
+    An already-built module is copied, then cast to `dtype` and quantised: the caller's module (e.g. one passed
+    as both target and draft, each in its own format) is left as it was. linear_kernel: see
+    `workers.models.dense.apply_linear_kernel`.
     """
     from ssd.workers.models.dense import apply_linear_kernel
 
     if isinstance(model, DecoderModel):
-        model = model.to(device=device, dtype=dtype).eval()
+        model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
         if quantization is not None:
             from ssd.workers.models.quant import quantize_model
 
             quantize_model(model, quantization)
-        elif linear_kernel != "torch" and any(isinstance(m, torch.nn.Linear) for m in model.modules()):
-            model = copy.deepcopy(model)
         return apply_linear_kernel(model, linear_kernel), None
     from ssd.workers.loader import load_model
 

@@ -165,7 +165,11 @@ def _dequantize(t: Any, dtype: torch.dtype) -> torch.Tensor:
     flat = out.view(t.data.shape[0], -1) if t.data.ndim > 1 else out.view(1, -1)
     data = t.data if t.data.ndim > 1 else t.data.reshape(1, -1)
     for i in range(0, data.shape[0], _CHUNK_ROWS):
-        block = gguf.quants.dequantize(data[i : i + _CHUNK_ROWS], t.tensor_type)
+        try:
+            block = gguf.quants.dequantize(data[i : i + _CHUNK_ROWS], t.tensor_type)
+        except NotImplementedError as e:  # e.g. F64, the integer types, Q8_K
+            raise ValueError(f"tensor {t.name} has GGUF type {t.tensor_type.name}, which this loader cannot read "
+                             f"({e})") from None
         block = np.array(
             block, dtype=np.float32, copy=not block.flags.writeable
         )  # memmap views are read-only

@@ -1,9 +1,10 @@
 """Quantised loading: `load_model(..., quantization="int8" | "int4" | "w4a8" | "w8a8" | "w4a8-all" | "w4a8-g64")`.
 
 "w4a8" / "w8a8" follow the "int4" / "int8" rules below with the block-quantised layers of
-blockquant.py (int8 activations): Q4_K codes -> W4A8Linear, and with "w4a8" Q5_0 codes ->
-W5A8Linear (kept exactly: w = d * (q - 16)) and Q6_K codes -> W6A8Linear (w = d * sc * (q - 32),
-d * sc rounded to fp16; lm_head included); everything else -> W8A8Linear. "w4a8-all" keeps the Q4_K codes
+blockquant.py (int8 activations): with "w4a8" Q4_K codes -> W4A8Linear and Q5_0 codes -> W5A8Linear
+(kept exactly: w = d * (q - 16)); with either, Q6_K codes -> W6A8Linear (w = d * sc * (q - 32), d * sc
+rounded to fp16) and Q8_0 codes -> W8A8Linear (kept exactly: w = d * q), lm_head included; everything
+else -> W8A8Linear, rounded to nearest. "w4a8-all" keeps the Q4_K codes
 (lm_head's too) and rounds every other layer to nearest in q4 (W4A8Linear): fewer bits than the file has
 where it has more (a draft's format: its output never changes what the target emits). "w4a8-g64" rounds
 every layer to nearest in q4 with a scale and offset per 64 weights (W4G64A8Linear), from the dequantised
@@ -45,11 +46,19 @@ from ssd.workers.loader.gguf_loader import (
 )
 from ssd.workers.models.config import ModelConfig
 from ssd.workers.models.decoder import DecoderModel
-from ssd.workers.models.quant import QUANT_MODES, Int4Linear, q4k_to_affine, q5_0_codes, q6k_codes, quantize_model
+from ssd.workers.models.quant import (
+    QUANT_MODES,
+    Int4Linear,
+    q4k_to_affine,
+    q5_0_codes,
+    q6k_codes,
+    q8_0_codes,
+    quantize_model,
+)
 
 log = logging.getLogger("ssd.quant")
 
-CODES_CACHE_FORMAT = 3  # 2: Q5_0 codes too; 3: and Q6_K
+CODES_CACHE_FORMAT = 4  # 2: Q5_0 codes too; 3: and Q6_K; 4: and Q8_0, and Q4_K of any row count
 
 
 def _linear_names(model: DecoderModel) -> set[str]:
@@ -60,8 +69,9 @@ def _extract_codes(
     path: Path, cfg: ModelConfig, linear_names: set[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The file's Q4_K linear weights as {name.codes [N, K/2] nibbles, name.scale, name.offset}, its
-    Q5_0 ones as {name.q5codes [N, K] (0..31), name.q5scale} and its Q6_K ones as {name.q6codes
-    [N, K] (0..63), name.q6scale [N, K/16]}, + the GGUF type of every linear."""
+    Q5_0 ones as {name.q5codes [N, K] (0..31), name.q5scale}, its Q6_K ones as {name.q6codes
+    [N, K] (0..63), name.q6scale [N, K/16]} and its Q8_0 ones as {name.q8codes [N, K] int8, name.q8scale},
+    + the GGUF type of every linear."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -77,7 +87,8 @@ def _extract_codes(
         rope_heads = None
         if cfg.arch == "llama" and mod.endswith(("q_proj", "k_proj")):
             rope_heads = cfg.num_attention_heads if mod.endswith("q_proj") else cfg.num_key_value_heads
-        exact = {gguf.GGMLQuantizationType.Q5_0: ("q5", q5_0_codes), gguf.GGMLQuantizationType.Q6_K: ("q6", q6k_codes)}
+        exact = {gguf.GGMLQuantizationType.Q5_0: ("q5", q5_0_codes), gguf.GGMLQuantizationType.Q6_K: ("q6", q6k_codes),
+                 gguf.GGMLQuantizationType.Q8_0: ("q8", q8_0_codes)}
         if t.tensor_type in exact:
             kind, extract = exact[t.tensor_type]
             codes, scale = extract(torch.from_numpy(t.data.copy()), n, k)
@@ -86,9 +97,6 @@ def _extract_codes(
             tensors[f"{mod}.{kind}codes"], tensors[f"{mod}.{kind}scale"] = codes.contiguous(), scale.contiguous()
             continue
         if t.tensor_type != gguf.GGMLQuantizationType.Q4_K:
-            continue
-        if not Int4Linear.supports(n, k):
-            types[mod] += " (shape unsupported by the int4 kernel)"
             continue
         codes, scale, offset = q4k_to_affine(torch.from_numpy(t.data.copy()), n, k)
         if rope_heads is not None:
@@ -121,11 +129,12 @@ def load_gguf_codes(
     path: str | Path, cfg: ModelConfig, linear_names: set[str], cache_dir: str | Path | None
 ) -> tuple[
     dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]],
-    dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str],
+    dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str],
 ]:
     """{linear: (codes [N, K] uint8, scale, offset [N, K/32] fp32)} for Q4_K weights, {linear: (codes
     [N, K] 0..31, scale fp16 [N, K/32])} for Q5_0 weights, {linear: (codes [N, K] 0..63, scale fp16
-    [N, K/16])} for Q6_K weights, + GGUF types."""
+    [N, K/16])} for Q6_K weights, {linear: (codes [N, K] int8, scale fp16 [N, K/32])} for Q8_0 weights,
+    + GGUF types."""
     path = Path(path)
     cdir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = cache_key(path)
@@ -142,18 +151,17 @@ def load_gguf_codes(
             _atomic_write(meta_file, lambda p: p.write_text(json.dumps(meta)))
         except OSError as e:
             warnings.warn(f"could not write the quantised-codes cache in {cdir}: {e}", stacklevel=2)
-    out, q5, q6 = {}, {}, {}
+    out: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    exact: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {"q5": {}, "q6": {}, "q8": {}}
     for mod in {k.rsplit(".", 1)[0] for k in tensors}:
-        if f"{mod}.q5codes" in tensors:
-            q5[mod] = (tensors[f"{mod}.q5codes"], tensors[f"{mod}.q5scale"])
-            continue
-        if f"{mod}.q6codes" in tensors:
-            q6[mod] = (tensors[f"{mod}.q6codes"], tensors[f"{mod}.q6scale"])
+        kind = next((kind for kind in exact if f"{mod}.{kind}codes" in tensors), None)
+        if kind is not None:
+            exact[kind][mod] = (tensors[f"{mod}.{kind}codes"], tensors[f"{mod}.{kind}scale"])
             continue
         packed = tensors[f"{mod}.codes"]
         codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
         out[mod] = (codes, tensors[f"{mod}.scale"], tensors[f"{mod}.offset"])
-    return out, q5, q6, types
+    return out, exact["q5"], exact["q6"], exact["q8"], types
 
 
 def quantize_loaded(
@@ -165,25 +173,31 @@ def quantize_loaded(
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization {mode!r}; use None or one of {', '.join(QUANT_MODES)}")
     path = Path(path)
-    on_cpu = model.embed_tokens.weight.device.type == "cpu"
-    if mode not in ("int4", "w4a8", "w4a8-all") or path.suffix != ".gguf" or not on_cpu:
+    if mode not in ("int4", "w4a8", "w8a8", "w4a8-all") or path.suffix != ".gguf":
         return quantize_model(model, mode)
     names = _linear_names(model)
-    q4k, q5_0, q6_k, types = load_gguf_codes(path, model.config, names, cache_dir)
+    q4k, q5_0, q6_k, q8_0, types = load_gguf_codes(path, model.config, names, cache_dir)
     if mode == "w4a8-all":
         log.info("%s: w4a8-all, Q4_K codes kept for %d linear layers, %d rounded to nearest in q4", path.name,
                  len(q4k), len(names) - len(q4k))
         return quantize_model(model, mode, affine_int4=q4k)
-    affine: dict[str, Any] = {n: v for n, v in q4k.items() if n != "lm_head"}
-    # Q5_0 and Q6_K keep their codes (W5A8Linear, W6A8Linear) in the block mode; the weight-only int4
-    # mode has no such kernels. A Q6_K head keeps its 6 bits: no fewer than the file has.
+    if mode == "w8a8":  # Q6_K and Q8_0 keep their codes; the rest (fewer bits, or float) is rounded to 8 bits
+        log.info("%s: w8a8, q6 from Q6_K for %d linear layers, q8 from Q8_0 for %d, rounded to nearest for %d",
+                 path.name, len(q6_k), len(q8_0), len(names) - len(q6_k) - len(q8_0))
+        return quantize_model(model, mode, q6=q6_k, q8=q8_0)
+    # The int4 kernel takes whole column blocks only: such a layer's Q4_K codes go to int8 instead.
+    affine: dict[str, Any] = {n: v for n, v in q4k.items() if n != "lm_head"
+                              and (mode != "int4" or Int4Linear.supports(*v[0].shape))}
+    # Q5_0, Q6_K and Q8_0 keep their codes (W5A8Linear, W6A8Linear, W8A8Linear) in the block mode; the
+    # weight-only int4 mode has no such kernels. A Q6_K or Q8_0 head keeps its bits: no fewer than the file has.
     q5 = {n: v for n, v in q5_0.items() if n != "lm_head"} if mode == "w4a8" else {}
     q6 = q6_k if mode == "w4a8" else {}
+    q8 = q8_0 if mode == "w4a8" else {}
     eight = "int8" if mode == "int4" else "w8a8"
     overrides = {n: eight for n in names if n not in affine and n not in q5 and n not in q6}  # more bits: keep 8
     log.info(
-        "%s: %s from Q4_K for %d linear layers, q5 from Q5_0 for %d, q6 from Q6_K for %d, %s for %d (%s)", path.name,
-        mode, len(affine), len(q5), len(q6), eight, len(overrides),
-        ", ".join(sorted({types.get(n, "?") for n in overrides})),
+        "%s: %s from Q4_K for %d linear layers, q5 from Q5_0 for %d, q6 from Q6_K for %d, %s for %d (%s; Q8_0 "
+        "codes kept for %d)", path.name, mode, len(affine), len(q5), len(q6), eight, len(overrides),
+        ", ".join(sorted({types.get(n, "?") for n in overrides})), len(q8),
     )
-    return quantize_model(model, mode, affine_int4=affine, q5=q5, q6=q6, overrides=overrides)
+    return quantize_model(model, mode, affine_int4=affine, q5=q5, q6=q6, q8=q8, overrides=overrides)

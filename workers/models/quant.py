@@ -328,6 +328,16 @@ def q5_0_codes(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torc
     return codes.reshape(n, k), scale
 
 
+def q8_0_codes(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw GGUF Q8_0 bytes (n * k / 32 blocks of 34: fp16 d, then 32 int8 codes) -> codes [n, k] int8,
+    scale fp16 [n, k/32]; weight = d * q, as in gguf.quants.Q8_0.dequantize_blocks: W8A8Linear's own format."""
+    b = blocks.view(torch.uint8).reshape(-1, 34)
+    if b.shape[0] * 32 != n * k:
+        raise ValueError(f"Q8_0 data holds {b.shape[0] * 32} weights, expected {n}x{k}")
+    scale = b[:, 0:2].contiguous().view(torch.float16).reshape(n, k // 32)
+    return b[:, 2:34].contiguous().view(torch.int8).reshape(n, k), scale
+
+
 def q6k_codes(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw GGUF Q6_K bytes (n * k / 256 blocks of 210) -> codes [n, k] uint8 (0..63), scale fp16 [n, k/16].
 
@@ -397,6 +407,7 @@ def quantize_model(
     affine_int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     q5: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     q6: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    q8: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     fuse: bool = True,
 ) -> nn.Module:
     """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear (round to nearest).
@@ -414,7 +425,8 @@ def quantize_model(
     name: (codes [N, K] 0..31, scale [N, K/32])}, w = scale * (q - 16) (GGUF Q5_0), kept exactly as
     W5A8Linear where the layer's mode is "w4a8". `q6`: likewise {module name: (codes [N, K] 0..63,
     scale [N, K/16])}, w = scale * (q - 32) (GGUF Q6_K), kept as W6A8Linear where the layer's mode
-    is "w4a8" or "w8a8". `fuse`: merge
+    is "w4a8" or "w8a8". `q8`: {module name: (codes [N, K] int8, scale fp16 [N, K/32])}, w = scale * q
+    (GGUF Q8_0), kept as W8A8Linear where the layer's mode is "w4a8" or "w8a8". `fuse`: merge
     q/k/v and gate/up into one layer each where they end up the same kind (fuse_projections).
     Sets `model.batch_invariant` when every linear ends up quantised. Per-layer relative Frobenius
     errors are logged at DEBUG. On CUDA, when this torch lacks a kernel the model stays in floating
@@ -424,9 +436,12 @@ def quantize_model(
         return model
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization {mode!r}; use None or one of {', '.join(QUANT_MODES)}")
-    overrides, affine_int4, q5, q6 = overrides or {}, affine_int4 or {}, q5 or {}, q6 or {}
+    overrides, affine_int4, q5, q6, q8 = overrides or {}, affine_int4 or {}, q5 or {}, q6 or {}, q8 or {}
     if head == "default":
         head = DEFAULT_HEAD[mode]
+    done = getattr(model, "quantization", None)
+    if done is not None and done != mode:
+        raise ValueError(f"this model is already quantised ({done!r}); quantise its floating-point weights to {mode!r}")
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not linears:
         return model
@@ -490,11 +505,18 @@ def quantize_model(
             if tuple(codes.shape) != tuple(weight.shape):
                 raise ValueError(f"{name}: q6 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
             q = W6A8Linear(codes, scale, lin.bias, dtype)
+        elif lmode in ("w4a8", "w8a8") and name in q8:
+            from ssd.workers.models.blockquant import W8A8Linear
+
+            codes, scale = q8[name]
+            if tuple(codes.shape) != tuple(weight.shape):
+                raise ValueError(f"{name}: q8 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
+            q = W8A8Linear(codes, scale, lin.bias, dtype)
         else:
             q = make_quant_linear(lmode, weight, lin.bias, dtype)
-        if debug:
-            log.debug("%s %s -> %s, relative error %.3e", name, tuple(weight.shape), type(q).__name__,
-                      _rel_err(weight, q))
+        if debug:  # against the loaded weights: for a file's own codes, their rounding to the load dtype
+            log.debug("%s %s -> %s, relative error vs the %s weights %.3e", name, tuple(weight.shape),
+                      type(q).__name__, str(weight.dtype).removeprefix("torch."), _rel_err(weight, q))
         q = q.on(device) if isinstance(q, Int4Linear) else q.to(device)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
