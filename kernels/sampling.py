@@ -112,7 +112,8 @@ def filter_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     temperature: [B] float  (per row, broadcast over the middle dims); <= 0 -> greedy one-hot
     top_k:       [B] int    (<= 0 or >= V -> off)
     top_p:       [B] float  (>= 1 -> off)
-    returns      [B, ..., V] float32 probabilities (each row sums to 1 up to rounding).
+    returns      [B, ..., V] float32 probabilities (each row sums to 1 up to rounding), each row's bits
+    independent of the other rows.
     """
     shape = logits.shape
     V = shape[-1]
@@ -149,7 +150,11 @@ def filter_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
         m = keep.sum(dim=-1)  # [N] number of tokens kept
         tok_keep = _top_m_mask(probs, m, sp) | ~active[:, None]  # [N, V] back in vocab order
         filtered = torch.where(tok_keep, probs, 0.0)
-        probs = filtered / filtered.sum(dim=-1, keepdim=True)
+        # Renormalised by the kept mass from the sequential cumsum, and only rows that filter: a row's bits
+        # then depend neither on the rows beside it nor on how many threads a row sum would split over (a
+        # seeded request samples the same token alone or in any batch).
+        kept = cum.gather(1, (m - 1)[:, None])  # [N, 1] float64
+        probs = torch.where(active[:, None], (filtered.double() / kept).float(), probs)
 
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs)
@@ -200,10 +205,15 @@ def ref_filter_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p:
             if j == 0 or top_p >= 1.0 or mass_before < top_p * total_k:
                 keep[j] = True
             mass_before += float(sp[j])
+        if k == V and top_p >= 1.0:
+            out[n] = probs  # nothing filtered: softmax as it is
+            continue
+        kept = 0.0  # kept mass in sorted order, float64
         for j in range(V):
             if keep[j]:
                 out[n, int(idx[j])] = sp[j]
-        out[n] = out[n] / out[n].sum()
+                kept += float(sp[j])
+        out[n] = (out[n].double() / kept).float()
     return out.reshape(shape)
 
 
@@ -234,6 +244,7 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     first = torch.argmax(hit.to(torch.int8), dim=-1)  # [N] first True (0 if none)
     # Fallback: last positive index (argmax of the flipped mask), used when no hit.
     last_pos = (V - 1) - torch.argmax(positive.flip(-1).to(torch.int8), dim=-1)  # [N]
+    last_pos = torch.where(positive.any(dim=-1), last_pos, 0)  # an all-zero (or NaN) row: token 0, as documented
     tok = torch.where(hit.any(dim=-1), first, last_pos)
     return tok.reshape(lead)
 
@@ -310,8 +321,8 @@ def saguaro_probs(
     scaled = torch.where(in_top, pr * C, pr)  # [N, V]
     ok = (scaled > 0).any(dim=-1, keepdim=True)  # [N, 1] zero-mass fallback guard
     scaled = torch.where(ok, scaled, pr)
-    scaled = scaled / scaled.sum(dim=-1, keepdim=True)
-    return scaled.reshape(shape)
+    total = torch.cumsum(scaled.double(), dim=-1)[:, -1:]  # [N, 1] sequential: the same bits in any batch
+    return (scaled.double() / total).float().reshape(shape)
 
 
 def ref_saguaro_probs(
@@ -339,5 +350,8 @@ def ref_saguaro_probs(
             row[idx[j]] = row[idx[j]] * C
         if not bool((row > 0).any()):
             row = pr[n].clone()  # C == 0 removed all mass: keep the top-F unscaled
-        out[n] = row / row.sum()
+        total = 0.0  # float64, in vocabulary order
+        for v in row.tolist():
+            total += v
+        out[n] = (row.double() / total).float()
     return out.reshape(shape)

@@ -74,3 +74,22 @@ def test_sampled_tree_with_point_mass_siblings_is_exact():
     # The tree was really verified (plain sampling from p would pass the chi-square too): the first level's
     # point masses hold ~0.85 of p, so most rows accept a root sibling, and many a child after it.
     assert sum(a >= 1 for a in accepted) > n * 0.6 and sum(a == 2 for a in accepted) > n * 0.2
+
+
+def test_a_misshaped_q_is_refused_before_the_forward():
+    """A "dist" draft's q is [K, V] for a chain and [N + 1, V] for a tree (row 0: the root's children's):
+    anything else is a clear error before the target scores anything, and the sequence goes on intact."""
+    import pytest
+    import torch
+
+    model = random_model(vocab=V, layers=2, seed=23, scale=2.0)
+    w = TargetWorker(model, dtype="float32", max_slots=1, max_len=64)
+    w.add(0, PROMPT, SamplingSpec(temperature=1.0, seed=3))
+    q = torch.full((2, V), 1.0 / V)
+    with pytest.raises(ValueError, match=r"q_draft must be \[3, 16\], got \(2, 16\)"):
+        w.verify([Draft(seq_id=0, tokens=[1, 2], q_kind="dist", parents=[-1, 0])], [q])  # a chain's shape
+    with pytest.raises(ValueError, match=r"q_draft must be \[2, 16\], got None"):
+        w.verify([Draft(seq_id=0, tokens=[1, 2], q_kind="dist")], [None])
+    before = w.seqs[0].committed
+    o = w.verify([Draft(seq_id=0, tokens=[1, 2], q_kind="dist", parents=[-1, 0])], [torch.full((3, V), 1.0 / V)])[0]
+    assert w.seqs[0].committed == before + len(o.tokens) and 1 <= len(o.tokens) <= 3

@@ -55,6 +55,7 @@ class TargetWorker(ModelWorker):
         t0 = time.perf_counter()
         if q_draft is None:
             q_draft = [None] * len(drafts)
+        self._check_q(drafts, q_draft)
         chains = [i for i, d in enumerate(drafts) if d.parents is None]
         trees = [i for i, d in enumerate(drafts) if d.parents is not None]
         out: list[Outcome | None] = [None] * len(drafts)
@@ -66,6 +67,17 @@ class TargetWorker(ModelWorker):
                 out[i] = o
         self.last_verify_s = time.perf_counter() - t0
         return out  # type: ignore[return-value]
+
+    def _check_q(self, drafts: list[Draft], q_draft: list[QDraft | None]) -> None:
+        """Before any forward: a sampled "dist" draft's q is [K, V] for a chain, [N + 1, V] for a tree."""
+        V = self.config.vocab_size
+        for d, q in zip(drafts, q_draft):
+            if d.q_kind != "dist" or not d.tokens or self.seqs[d.seq_id].spec.greedy:
+                continue
+            rows = len(d.tokens) + (d.parents is not None)
+            if q is None or tuple(q.shape) != (rows, V):
+                got = None if q is None else tuple(q.shape)
+                raise ValueError(f"sequence {d.seq_id}: q_draft must be [{rows}, {V}], got {got}")
 
     def _verify_chains(self, drafts: list[Draft], q_draft: list[QDraft | None]) -> list[Outcome]:
         states = [self.seqs[d.seq_id] for d in drafts]
@@ -103,9 +115,7 @@ class TargetWorker(ModelWorker):
             for row, b in enumerate(sampled):
                 d, kb = drafts[b], len(drafts[b].tokens)
                 if kb:
-                    if d.q_kind == "dist":
-                        if q_draft[b] is None or tuple(q_draft[b].shape) != (kb, V):
-                            raise ValueError(f"sequence {d.seq_id}: q_draft must be [{kb}, {V}]")
+                    if d.q_kind == "dist":  # its shape checked by _check_q
                         write_q(q[row, :kb], q_draft[b])
                     else:  # point mass: a drafter without probabilities
                         q[row, torch.arange(kb, device=dev), torch.tensor(d.tokens, device=dev)] = 1.0
