@@ -240,10 +240,13 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         extra.update(gpu_ids=list(ids), target_tp=tp, target_gpus=target_ids, draft_gpu=draft_id)
     else:
         device = args.device or ("cuda" if cuda else "cpu")
+        if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+            raise CLIError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
         if device.startswith("cuda") and not cuda:
             raise CLIError(f"--device {device} but CUDA is not available on this machine")
-        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-            raise CLIError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+        if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+            raise CLIError(f"--device {device} but only {torch.cuda.device_count()} GPU(s) are visible "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         kw["device"] = device
         if args.target_tp:
             extra["target_tp"] = args.target_tp  # on CPU: ranks over gloo, the target's cores split between them
@@ -322,6 +325,9 @@ def _load_llm(kw: dict[str, Any]):
     except (FileNotFoundError, ValueError) as e:
         # Unknown/missing model files, bad checkpoints, mismatched vocabularies: the user's to fix.
         raise CLIError(str(e)) from None
+    except (RuntimeError, MemoryError, OSError) as e:  # e.g. a KV cache too large for memory, a truncated file
+        log.debug("loading the model failed", exc_info=True)
+        raise CLIError(f"could not load the model: {type(e).__name__}: {e}") from None
 
 
 def _release(llm: Any) -> None:
@@ -571,9 +577,12 @@ def generate(argv: list[str]) -> int:
                 except ValueError as e:
                     errors[i] = str(e)
             ok = [i for i in ok if i not in errors]
-            if ok:
-                for i, o in zip(ok, llm.generate([prompts[i] for i in ok], params), strict=True):
-                    outs[i] = o
+            if ok:  # a request that fails while running fails alone
+                for i, o in zip(ok, llm.generate([prompts[i] for i in ok], params, raise_errors=False), strict=True):
+                    if o.error is not None:
+                        errors[i] = o.error
+                    else:
+                        outs[i] = o
             for i in range(len(items)):
                 if i in errors:
                     failed += 1
@@ -593,8 +602,10 @@ def generate(argv: list[str]) -> int:
                         if not args.quiet:
                             sys.stdout.write(piece)
                             sys.stdout.flush()
-                except ValueError as e:
+                except (ValueError, RuntimeError) as e:  # refused, or failed while running: this prompt only
                     failed += 1
+                    if not args.quiet:
+                        sys.stdout.write("\n")
                     emit(i, None, str(e))
                     continue
                 if not args.quiet:

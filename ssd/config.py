@@ -105,6 +105,18 @@ class Config:
     ray_by_default: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.target is None:
+            raise ValueError("target is required: a model alias, a path, or a DecoderModel")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a dict, got {self.extra!r}")
+        for name in ("device", "draft_device"):
+            d = getattr(self, name)
+            if not (d is None and name == "draft_device") and not _device_name(d):
+                raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {d!r}")
+        for name in ("target_threads", "draft_threads"):
+            n = getattr(self, name)
+            if n is not None and not (is_int(n) and n >= 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {n!r}")
         if self.mode is None:
             self.mode = "auto" if self.draft is not None else "ar"
         if self.mode not in MODES:
@@ -132,9 +144,10 @@ class Config:
             raise ValueError(f"fanout_kind must be one of {', '.join(FANOUT_KINDS)}, got {self.fanout_kind!r}")
         if not (is_int(self.ngram_max) and self.ngram_max >= 1):
             raise ValueError(f"ngram_max must be an integer >= 1, got {self.ngram_max!r}")
-        if not 0.0 <= self.saguaro_c <= 1.0:
+        if isinstance(self.saguaro_c, bool) or not isinstance(self.saguaro_c, (int, float)) or not (
+                0.0 <= self.saguaro_c <= 1.0):
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
-        if not (isinstance(self.draft_lookahead, int) and 0 <= self.draft_lookahead <= 16):
+        if not (is_int(self.draft_lookahead) and 0 <= self.draft_lookahead <= 16):
             raise ValueError(f"draft_lookahead must be an integer in 0..16, got {self.draft_lookahead!r}")
         if self.use_ray is None:
             on_cpu = self.device == "cpu" and (self.draft_device or "cpu") == "cpu"
@@ -154,7 +167,7 @@ class Config:
             self._check_timeout(name)
         for name in ("target_cores", "draft_cores"):
             self._check_cores(name)
-        if not (isinstance(self.max_batch, int) and self.max_batch >= 1):
+        if not (is_int(self.max_batch) and self.max_batch >= 1):
             raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         if not (isinstance(self.max_len, int) and self.max_len >= 2):
             raise ValueError(f"max_len must be an integer >= 2 (tokens of context), got {self.max_len!r}")
@@ -164,7 +177,7 @@ class Config:
             if self.max_len < max(K_CHOICES) + 2:
                 raise ValueError(f"max_len {self.max_len} is too short to auto-configure k (it times drafts of up "
                                  f"to {max(K_CHOICES)} tokens): use max_len >= {max(K_CHOICES) + 2} or give k")
-        if not (isinstance(self.ar_steps, int) and 1 <= self.ar_steps <= 64):
+        if not (is_int(self.ar_steps) and 1 <= self.ar_steps <= 64):
             raise ValueError(f"ar_steps must be an integer in 1..64, got {self.ar_steps!r}")
         if self.dtype not in ("bfloat16", "bf16", "float32", "fp32"):
             raise ValueError(f"unsupported dtype {self.dtype!r}; use bfloat16 or float32")
@@ -196,7 +209,7 @@ class Config:
         if self.candidate_vocab not in CANDIDATE_VOCABS:
             raise ValueError(
                 f"candidate_vocab must be one of {', '.join(CANDIDATE_VOCABS)}, got {self.candidate_vocab!r}")
-        if self.draft_vocab is not None and not (isinstance(self.draft_vocab, int) and self.draft_vocab >= 1):
+        if self.draft_vocab is not None and not (is_int(self.draft_vocab) and self.draft_vocab >= 1):
             raise ValueError(f"draft_vocab must be a positive integer or None, got {self.draft_vocab!r}")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; use one of {', '.join(LINEAR_KERNELS)}")
@@ -247,3 +260,11 @@ def auto_quantization(target: Any, device: str) -> str | None:
 
 def _on_cpu(device: str) -> bool:
     return str(device).split(":")[0] == "cpu"
+
+
+def _device_name(d: object) -> bool:
+    """'cpu', 'cuda', or either with ':N' (whether that GPU exists is the worker's to find out)."""
+    if not isinstance(d, str):
+        return False
+    kind, _, index = d.partition(":")
+    return kind in ("cpu", "cuda") and (index == "" and ":" not in d or index.isdigit())

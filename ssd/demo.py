@@ -35,11 +35,17 @@ def main(argv: list[str] | None = None) -> int:
                     "GGUFs on CPU); 'none': unquantised")
     ap.add_argument("--modes", default=",".join(MODES))
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if args.max_tokens < 1:
+        ap.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     extra = {"quantization": None if args.quantization == "none" else args.quantization} if args.quantization else {}
     results: dict[str, list[tuple[float, float]]] = {}
     first = True
-    for mode in args.modes.split(","):
+    for mode in modes:
         print(f"\n=== mode {mode} ===", flush=True)
         with LLM(target=args.target, draft=None if mode in ("ar", "ngram") else args.draft, mode=mode,
                  dtype=args.dtype, max_batch=1, **extra) as llm:

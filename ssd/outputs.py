@@ -12,3 +12,4 @@ class Output:
     token_ids: list[int]
     finish_reason: str | None
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # why the request failed (finish_reason "error"; generate(raise_errors=False))

@@ -292,3 +292,32 @@ def test_quantization_flags():
     assert kw("--draft-quantization", "none")["draft_quantization"] is None
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--draft-quantization", "int3"])
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_generate_a_request_that_fails_while_running_fails_alone(models, monkeypatch, capsys, batch):
+    """A prompt whose request fails after it was accepted (here: its admission) gets its error line; the
+    prompts after it still run (streamed, or in one batch), and the exit status says one failed."""
+    from ssd.launch import cli
+
+    llm = LLM(target=models[0], mode="ar", dtype="float32", max_len=128)
+    admit = llm.engine._admit
+
+    def failing_admit(seq):
+        if seq.prompt_text == "BAD":
+            raise RuntimeError("injected failure")
+        admit(seq)
+
+    monkeypatch.setattr(llm.engine, "_admit", failing_admit)
+    monkeypatch.setattr(cli, "_load_llm", lambda kw: llm)
+    rc = cli.generate(["--target", models[0], "--temperature", "0", "--max-tokens", "4",
+                       *(["--batch"] if batch else []), "hello", "BAD", "world"])
+    recs = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith('{"index"')]
+    assert rc == 1
+    assert [r.get("error", "") for r in recs] == ["", "RuntimeError: injected failure", ""] if batch else (
+        [r["index"] for r in recs] == [0, 1, 2] and "injected failure" in recs[1]["error"])
+    assert all(r["usage"]["completion_tokens"] == 4 for r in (recs[0], recs[2]))
+
+
+def test_device_index_is_checked(cli, models):
+    _one_line_error(*cli("--target", models[0], "--device", "cuda:abc"), "--device must be cpu, cuda or cuda:N")

@@ -4,6 +4,7 @@ time would have; bad sampling values are rejected; a failed call leaves nothing 
 import math
 
 import pytest
+import torch
 from tiny_models import random_model
 
 from ssd import LLM, SamplingParams
@@ -147,6 +148,7 @@ def test_stream_holds_back_a_possible_stop_string_and_raises_on_failure(target):
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": ["x"]}, "stop_token_ids"),
     ({"stop_token_ids": "5"}, "stop_token_ids"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
 ])
 def test_invalid_sampling_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -159,9 +161,82 @@ def test_sampling_values_normalised():
     assert SamplingParams(top_k=2**64).top_k == 2**31 - 1  # beyond any vocabulary: still "no limit"
     assert SamplingParams(stop_token_ids=5).stop_token_ids == [5]
     assert SamplingParams(stop="x").stop == ["x"]
+    # Seeds beyond int64 (which the actors' wire carries) reduce mod 2^63: the generators draw the same numbers.
+    from ssd.workers.messages import SamplingSpec
+    from ssd.workers.seq_state import make_generator
+
+    for seed in (2**64 + 5, -3, 2**63):
+        reduced = SamplingParams(seed=seed).seed
+        assert 0 <= reduced < 2**63
+        assert torch.equal(torch.rand(4, generator=make_generator(seed, 1)),
+                           torch.rand(4, generator=make_generator(reduced, 1)))
+        assert SamplingSpec.from_msgpack(SamplingSpec(1.0, 0, 1.0, reduced).to_msgpack()).seed == reduced
 
 
 def test_config_rejects_a_context_too_short(target):
     for bad in (0, -5, 1, "64"):
         with pytest.raises(ValueError, match="max_len"):
             LLM(target=target, mode="ar", max_len=bad)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"device": "gpu"}, "device must be"), ({"device": None}, "device must be"),
+    ({"draft_device": "tpu"}, "draft_device must be"), ({"device": "cuda:x"}, "device must be"),
+    ({"target_threads": 0}, "target_threads must be"), ({"draft_threads": "2"}, "draft_threads must be"),
+    ({"saguaro_c": "0.5"}, "saguaro_c must be"), ({"extra": None}, "extra must be a dict"),
+    ({"max_batch": True}, "max_batch"), ({"ar_steps": True}, "ar_steps"), ({"draft_lookahead": False}, "lookahead"),
+    ({"draft_vocab": True}, "draft_vocab"),
+])
+def test_config_refuses_bad_settings_up_front(kwargs, match):
+    from ssd.config import Config
+
+    with pytest.raises(ValueError, match=match):
+        Config(target="t", **kwargs)
+    with pytest.raises(ValueError, match="target is required"):
+        Config(target=None)
+
+
+def test_generate_refuses_unordered_prompts_and_wrong_params_and_a_shut_down_llm(target):
+    llm = LLM(target=target, mode="ar", dtype="float32", max_len=64)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    with llm:
+        for prompts in ({"prompt": [1, 2]}, {(1, 2)}):
+            with pytest.raises(ValueError, match="prompts must be"):
+                llm.generate(prompts, params)
+        with pytest.raises(ValueError, match="must be SamplingParams, got NoneType"):
+            llm.generate([[1, 2]], [None])
+        with pytest.raises(ValueError, match="must be SamplingParams, got dict"):
+            list(llm.stream([1, 2], {"max_tokens": 3}))
+        assert not llm.engine.has_work
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2]], params)
+
+
+def test_generate_can_return_failed_requests_beside_the_others(target):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(target=target, mode="ar", dtype="float32", max_batch=2, max_len=64) as llm:
+        want = llm.generate([[5, 6], [7, 8]], params)
+        admit = llm.engine._admit
+
+        def admit_all_but(seq):
+            if seq.prompt_ids == [9, 9]:
+                raise RuntimeError("injected admission failure")
+            admit(seq)
+
+        llm.engine._admit = admit_all_but
+        outs = llm.generate([[5, 6], [9, 9], [7, 8]], params, raise_errors=False)
+        assert [o.token_ids for o in (outs[0], outs[2])] == [o.token_ids for o in want]
+        assert outs[1].finish_reason == "error" and "injected admission failure" in outs[1].error
+        assert outs[0].error is None
+        llm.engine._admit = admit
+        orig = llm.engine.mode.round
+
+        def fail_once(running):  # a failed round fails what is still running of this call, not the call
+            llm.engine.mode.round = orig
+            raise RuntimeError("injected round failure")
+
+        llm.engine.mode.round = fail_once
+        outs = llm.generate([[5, 6], [7, 8]], params, raise_errors=False)
+        assert all(o.finish_reason == "error" and "injected round failure" in o.error for o in outs)
+        assert not llm.engine.has_work
+        assert [o.token_ids for o in llm.generate([[5, 6], [7, 8]], params)] == [o.token_ids for o in want]
