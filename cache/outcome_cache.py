@@ -34,11 +34,15 @@ class OutcomeCache:
         """Replace whatever the sequence held: only the current round is kept."""
         self._entries[seq_id] = (round_id, entries)
 
-    def lookup(self, seq_id: int, round_id: int, k: int, t: int) -> CacheEntry | None:
+    def lookup(self, seq_id: int, round_id: int, k: int, t: int, min_len: int = 0) -> CacheEntry | None:
+        """The entry for outcome (k, t), if one holds at least `min_len` draft tokens (a shorter one, drafted
+        for a smaller K than the next round's, counts as a miss, as the coordinator counts it)."""
         held = self._entries.pop(seq_id, None)
         entry = None
         if held is not None and held[0] == round_id:
             entry = held[1].get((k, t))
+        if entry is not None and len(entry.tokens) < min_len:
+            entry = None
         (self.hits if entry is not None else self.misses)[k] += 1
         return entry
 

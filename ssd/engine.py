@@ -141,6 +141,8 @@ class Engine:
             emitted = []
             for seq, o in zip(running, outcomes):
                 kept = seq.append(o.tokens)
+                if len(kept) < len(o.tokens):
+                    self.mode.tokens_cut(seq, len(o.tokens) - len(kept))
                 seq.metrics.emitted_tokens += len(kept)
                 self.totals["emitted_tokens"] += len(kept)
                 emitted.append((seq, kept))

@@ -177,3 +177,18 @@ def test_drafts_stop_one_token_short_of_max_tokens(models, mode):
         m = o.metrics
         assert len(o.token_ids) == 3 and m["accepted_tokens"] == m["drafted_tokens"] > 0, m
         assert m["emitted_tokens"] == m["drafted_tokens"] + m["rounds"], m
+
+
+def test_outcome_cache_counts_a_too_short_entry_as_the_miss_it_is():
+    """An entry drafted for a smaller K than the next round's is not used (resolve drafts afresh): the cache's
+    own per-k statistics count it as a miss, as the coordinator does."""
+    from ssd.cache.outcome_cache import CacheEntry, OutcomeCache
+
+    cache = OutcomeCache()
+    entry = CacheEntry(tokens=[4, 5], q=None, path=[0, 1, 2])
+    cache.fill(7, round_id=3, entries={(1, 9): entry})
+    assert cache.lookup(7, 3, 1, 9, min_len=3) is None
+    cache.fill(7, round_id=3, entries={(1, 9): entry})
+    assert cache.lookup(7, 3, 1, 9, min_len=2) is entry
+    assert cache.lookup(7, 4, 1, 9) is None  # only the round filled last is held
+    assert (dict(cache.hits), dict(cache.misses)) == ({1: 1}, {1: 2})

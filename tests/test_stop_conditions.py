@@ -91,6 +91,21 @@ def test_every_mode_stops_where_one_token_at_a_time_stops(target):
             assert _run(target, mode, params, **kw) == want, (mode, stop_ids)
 
 
+def test_ar_rounds_past_a_stop_string_are_not_counted(target):
+    """ar_steps=4 decodes on past a stop string inside a call; the request's rounds (and tau = 1) count as one
+    token per call would, the same as ar_steps=1."""
+    free = _run(target, "ar", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), ar_steps=1)[0]
+    i = next(i for i in range(1, 4) if free[i] not in free[:i])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[CharTokenizer().decode([free[i]])])
+    for steps in (1, 4):
+        with LLM(target=target, mode="ar", dtype="float32", max_len=128, ar_steps=steps) as llm:
+            llm.engine.tokenizer = CharTokenizer()
+            o = llm.generate([[1, 2, 3, 4]], params)[0]
+            assert len(o.token_ids) == i + 1
+            assert o.metrics["rounds"] == i + 1 and o.metrics["tau"] == 1.0, (steps, o.metrics)
+            assert llm.stats()["sequence_rounds"] == i + 1 and llm.stats()["tau"] == 1.0
+
+
 def test_stop_strings_need_a_tokenizer(target):
     with LLM(target=target, mode="ar", dtype="float32", max_len=64) as llm:
         with pytest.raises(ValueError, match="stop strings need a tokenizer"):

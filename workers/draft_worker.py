@@ -637,10 +637,10 @@ class DraftWorker(ModelWorker):
                 res.append(Resolution(seq_id, False, None, None))
                 misses.append((seq_id, k_next))
                 continue
-            entry = self.cache.lookup(seq_id, st.round_id, k, emitted[-1])
+            entry = self.cache.lookup(seq_id, st.round_id, k, emitted[-1], min_len=k_next)
             st.region_start = -1
             st.last = emitted[-1]
-            if entry is not None and (len(entry.tokens) >= k_next):
+            if entry is not None:
                 # Keep x_1..x_k, t*, y_1..y_{K-1}: exactly the state after drafting y normally.
                 self.runner.keep(st.slot, start, entry.path)
                 if len(entry.path) > k:

@@ -82,6 +82,9 @@ class Mode:
     def round(self, seqs: list[Sequence]) -> list[Outcome]:
         raise NotImplementedError
 
+    def tokens_cut(self, seq: Sequence, n: int) -> None:
+        """The last n of this round's tokens for `seq` fell after where it stopped (a stop string)."""
+
     def draft_len(self, seq: Sequence, k: int | None = None) -> int:
         """k (default: the mode's K) draft tokens, never past max_tokens: a round emits at most k + 1."""
         return max(0, min(self.k if k is None else k, seq.remaining - 1))
@@ -136,3 +139,11 @@ class ARMode(Mode):
             seq.metrics.rounds += e
             seq.metrics.policy["ar"] += e
         return outcomes
+
+    def tokens_cut(self, seq: Sequence, n: int) -> None:
+        # A decode call runs on past a stop string (the target has no tokenizer): those forwards were done, but
+        # the request's rounds count as one token per call would have (tau 1), not the extra forwards.
+        if self.steps > 1:
+            seq.metrics.rounds -= n
+            seq.metrics.policy["ar"] -= n
+            self.stats.sequence_rounds -= n
