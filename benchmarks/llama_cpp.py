@@ -7,7 +7,11 @@ modes, each the tool llama.cpp ships for it, greedy, `max_tokens` new tokens per
   draft  llama-speculative-simple (the draft model, up to 8 drafted tokens)
 Flags as of llama.cpp 0c1e570 (older builds name the draft length --draft-max).
 Rates come from each tool's own timers: decode_tokens_per_s leaves prompt processing out (as
-bench.py's own decode rate does); tokens_per_s counts it in.
+bench.py's own decode rate does); tokens_per_s counts it in. Except for llama-speculative-simple: its decode
+timer starts before its first round, which decodes the prompt's last token on the target and (in the builds
+measured here) prefills the whole prompt on the draft model, so its decode rate counts that work in and reads
+low (by ~5-8 % on HumanEval prompts, an estimate from a 0.5B prefill of ~140 tokens against ~39 s of decode;
+not measured). Both speculative tools also run a few tokens past `-n` (they stop on the round after it).
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ def variant(label: str) -> tuple[str, dict]:
         if value.lower() in ("true", "false"):
             kw[key] = value.lower() == "true"
             continue
+        if value.lower() == "none":
+            kw[key] = None
+            continue
         for cast in (int, float):
             try:
                 kw[key] = cast(value)
@@ -60,22 +63,29 @@ def rotation(modes: list[str], i: int) -> list[str]:
     return modes[j:] + modes[:j]
 
 
+def rate_of(r: dict) -> float | None:
+    """A mode's decode rate on one prompt; None where nothing was decoded after the first delivery (an answer
+    that ends within its first round)."""
+    return r["decode_tokens"] / r["decode_s"] if r["decode_tokens"] > 0 and r["decode_s"] > 0 else None
+
+
 def summary(per_prompt: list[dict[str, dict]], base: str) -> dict[str, dict]:
     """Per mode: total decode tokens / seconds, and against `base` the geometric mean of the per-prompt
-    ratios of decode rates and the ratio of the total rates."""
-    def rate(m: str, p: dict[str, dict]) -> float:
-        return p[m]["decode_tokens"] / p[m]["decode_s"]
-
+    ratios of decode rates (over the prompts where every mode decoded something: `rated_prompts`) and the
+    ratio of the total rates."""
     def total_rate(m: str) -> float:
-        return sum(p[m]["decode_tokens"] for p in per_prompt) / sum(p[m]["decode_s"] for p in per_prompt)
+        secs = sum(p[m]["decode_s"] for p in per_prompt)
+        return sum(p[m]["decode_tokens"] for p in per_prompt) / secs if secs > 0 else 0.0
 
+    rated = [p for p in per_prompt if all(rate_of(r) is not None for r in p.values())]
     base_total = total_rate(base)
     out = {}
     for m in per_prompt[0]:
-        logs = [math.log(rate(m, p) / rate(base, p)) for p in per_prompt]
+        logs = [math.log(rate_of(p[m]) / rate_of(p[base])) for p in rated]  # type: ignore[operator]
         out[m] = {"decode_tokens_per_s": round(total_rate(m), 2),
-                  "vs_base_geomean": round(math.exp(sum(logs) / len(logs)), 3),
-                  "vs_base_total": round(total_rate(m) / base_total, 3)}
+                  "vs_base_geomean": round(math.exp(sum(logs) / len(logs)), 3) if logs else None,
+                  "rated_prompts": len(rated),
+                  "vs_base_total": round(total_rate(m) / base_total, 3) if base_total > 0 else None}
         looked_up = sum(p[m].get("cache_hits", 0) + p[m].get("cache_misses", 0) for p in per_prompt)
         if looked_up:  # SSD modes: the share of outcome-cache lookups that hit
             out[m]["hit_rate"] = round(sum(p[m].get("cache_hits", 0) for p in per_prompt) / looked_up, 3)
@@ -119,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         tok = llms[modes[0]].tokenizer
         per_prompt: list[dict[str, dict]] = []
         results: dict = {"args": vars(args), "prompts": []}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         for r in range(args.repeats):
             for name, texts in sets.items():
@@ -137,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                     same = all(row[m]["token_ids"] == row[modes[0]]["token_ids"] for m in modes)
                     per_prompt.append(row)
                     results["prompts"].append({"set": name, "index": i, "repeat": r, "same_tokens": same, **row})
-                    rates = "  ".join(f"{m} {row[m]['decode_tokens'] / row[m]['decode_s']:6.2f}" for m in modes)
+                    rates = "  ".join(f"{m} {rate_of(row[m]) or 0:6.2f}" for m in modes)
                     print(f"  {name} {i} (pass {r}): {rates} decode tok/s{'' if same else '  OUTPUTS DIFFER'}",
                           flush=True)
+                    out.write_text(json.dumps(results, indent=1))  # so far: a failure later loses no prompt
         results["summary"] = summary(per_prompt, modes[0])
         results["engine_stats"] = {m: llms[m].stats() for m in modes}
         results["seconds"] = round(time.perf_counter() - t0, 1)
@@ -156,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         if st["verify_price_error"]:  # the policy's modes: how far its verification prices were off
             errors = ", ".join(f"{w} {e:.1%}" for w, e in st["verify_price_error"].items())
             print(f"{m}: mean verification price error {errors}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
     return 0 if all(p["same_tokens"] for p in results["prompts"]) else 1
 

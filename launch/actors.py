@@ -88,7 +88,7 @@ def _placement() -> dict[str, Any]:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_RAISED = re.compile(r"\n([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\w*: .*)\Z", re.DOTALL)
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\w*: ", re.MULTILINE)
 
 
 def creation_error(e: BaseException) -> str | None:
@@ -96,8 +96,9 @@ def creation_error(e: BaseException) -> str | None:
     carries it only as the text of the remote traceback; None for any other death."""
     if not getattr(e, "actor_init_failed", False):
         return None
-    m = _RAISED.search(_ANSI.sub("", str(getattr(e, "error_msg", "") or "")))
-    return m.group(1).strip() if m else None
+    text = _ANSI.sub("", str(getattr(e, "error_msg", "") or ""))
+    raised = list(_RAISED.finditer(text))  # the last: a chained traceback names its causes first
+    return text[raised[-1].start():].strip() if raised else None
 
 
 def actor_class(worker_cls: type) -> Any:
@@ -298,6 +299,11 @@ class RayHandle:
             pass
 
     def shutdown(self) -> None:
+        self._closed = True
+        try:  # first: a call opening the channel holds the lock while it waits for this actor to come up
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
         with self._channel_lock:
             self._closed = True
         starting = self._starting

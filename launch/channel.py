@@ -153,11 +153,11 @@ class ChannelServer:
             if own is not None:
                 own()
             return encode((True, getattr(self.obj, method)(*args, **kwargs)))
-        except Exception as e:  # noqa: BLE001 - every worker error goes back to the caller
+        except BaseException as e:  # noqa: BLE001 - every worker error goes back to the caller (SystemExit too)
             return _error_reply(e)
 
 
-def _error_reply(e: Exception) -> memoryview:
+def _error_reply(e: BaseException) -> memoryview:
     e.add_note("remote traceback:\n" + "".join(traceback.format_exception(e)))
     try:
         return encode((False, e))
@@ -270,6 +270,8 @@ class ChannelClient:
                     except Exception:  # noqa: BLE001 - _send_locked fails the call with it
                         pass
             with self._lock:
+                if self._dead is not None:  # _fail_locked failed the backlog meanwhile
+                    return
                 self._backlog.popleft()
                 self._send_locked(fut, method, args, kwargs)
 
@@ -296,6 +298,10 @@ class ChannelClient:
             f = self._pending.popleft()
             if not f.done():
                 f._f.set_exception(self._dead)
+        for f, *_ in self._backlog:  # calls waiting for another worker's result: the sender may be blocked on it
+            if not f.done():
+                f._f.set_exception(self._dead)
+        self._backlog.clear()
         self._wake.notify()
 
     def close(self) -> None:

@@ -624,15 +624,22 @@ def generate(argv: list[str]) -> int:
 
 # -- bench -----------------------------------------------------------------------------------------
 def _load_bench():
-    import importlib
+    """benchmarks/bench.py as a module, loaded from its file as `python benchmarks/bench.py` runs it (it imports its
+    siblings from its own folder). The checkout's root stays off sys.path, also where `python -m` put the
+    working directory there: its top-level `kernels/` folder would shadow Hugging Face's `kernels` package,
+    which transformers imports for `--transformers`."""
+    import importlib.util
 
     root = Path(__file__).resolve().parents[1]
     candidates = [Path.cwd(), root]
     for base in candidates:
-        if (base / "benchmarks" / "bench.py").is_file():
-            if str(base) not in sys.path:
-                sys.path.insert(0, str(base))
-            mod = importlib.import_module("benchmarks.bench")
+        path = base / "benchmarks" / "bench.py"
+        if path.is_file():
+            sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != base.resolve()]
+            spec = importlib.util.spec_from_file_location("ssd_bench", path)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
             if hasattr(mod, "main"):
                 return mod
     raise CLIError("`ssd bench` runs benchmarks/bench.py from an ssd source checkout, and none was found "

@@ -184,7 +184,7 @@ def plan_placement(cfg: Config, cores: list[int], pin: bool = True) -> Plan:
         return Plan(target, draft)
     per = len(t_cores) // tp
     if per:  # an equal share of the target's cores per rank (a remainder stays idle)
-        chunks, cpus = [t_cores[r * per : (r + 1) * per] for r in range(tp)], float(per)
+        chunks, cpus = [t_cores[r * per : (r + 1) * per] for r in range(tp)], float(reserve(per))
     else:  # fewer cores than ranks: every rank on all of them, one thread each
         chunks, cpus = [list(t_cores)] * tp, target.num_cpus / tp
     targets = [
@@ -223,14 +223,15 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
         return
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):  # [::1]:6379 too
             pass
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot reach the Ray cluster at {address}: {e}") from None
 
 
 class RayCPUsBusy(RuntimeError):
-    """The local Ray has too few free CPUs for this engine's actors: another engine holds them."""
+    """The local Ray has too few free CPUs for this engine's actors: another engine holds them, or it was started
+    with fewer CPUs than the actors need."""
 
 
 def wait_for_cpus(need: float, wait_s: float) -> tuple[float, float]:
@@ -290,6 +291,11 @@ def place_workers(
     plan = plan_placement(cfg, local_cores(), pin=not cfg.ray_address)
     if not cfg.ray_address:  # this machine's Ray: its actors would wait forever for CPUs another engine holds
         need = sum(ap.num_cpus for ap in (*plan.targets, plan.draft) if ap is not None)
+        total = ray.cluster_resources().get("CPU", 0.0)
+        if total + 1e-9 < need:  # not another engine's doing: this Ray was started smaller than the cores
+            raise RayCPUsBusy(
+                f"this process's Ray has {total:g} CPUs in all and this engine's actors need {need:g} (one per "
+                "core they run on): start Ray with more CPUs, or run this engine with use_ray=False")
         free, total = wait_for_cpus(need, cfg.extra.get("ray_cpu_wait_s", 5.0))
         if free < need:
             raise RayCPUsBusy(

@@ -121,17 +121,20 @@ def _enable_token_auth() -> None:
 def follow(client, job_id: str) -> None:
     """Print the job's logs until it ends (websocket tail; polling if that is unavailable)."""
 
+    printed = 0  # characters of the job's log written so far: polling after a broken tail goes on from there
+
     async def tail() -> None:
+        nonlocal printed
         async for lines in client.tail_job_logs(job_id):
             sys.stdout.write(lines)
             sys.stdout.flush()
+            printed += len(lines)
 
     try:
         asyncio.run(tail())
         return
     except Exception as e:  # noqa: BLE001
         log.debug("log tail failed (%r); polling instead", e)
-    printed = 0
     while True:
         status = client.get_job_status(job_id)
         logs = client.get_job_logs(job_id)

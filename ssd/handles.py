@@ -60,7 +60,12 @@ def _resolve(a: Any) -> Any:
 def split_result(whole: Future, parts: list[Future], method: str) -> None:
     """Complete `parts` with the elements of the tuple `whole` returned (or all with its exception)."""
     exc = whole.exception()
-    values = None if exc is not None else tuple(whole.result())
+    values = None
+    if exc is None:
+        try:
+            values = tuple(whole.result())
+        except TypeError:  # not a tuple: every part fails rather than waiting forever
+            exc = TypeError(f"{method} returned {type(whole.result()).__name__}, expected a {len(parts)}-tuple")
     if values is not None and len(values) != len(parts):
         exc, values = ValueError(f"{method} returned {len(values)} values, expected {len(parts)}"), None
     for i, p in enumerate(parts):

@@ -178,3 +178,31 @@ def test_a_dead_server_fails_pending_and_later_calls():
     finally:
         proc.kill()
         proc.join(10)
+
+
+def test_no_call_is_left_waiting_forever(served):
+    """A split of a non-tuple result fails its parts; a call still waiting for another worker's result fails
+    when the channel closes; a worker method raising SystemExit answers its caller and the channel goes on."""
+    from ssd.handles import LocalHandle
+
+    worker, _, client = served
+    worker.exit = lambda: (_ for _ in ()).throw(SystemExit(3))
+    a, b = client.call_split("echo", 2, (None,), {})
+    with pytest.raises(TypeError, match="expected a 2-tuple"):
+        a.result(timeout=10)
+    with pytest.raises(TypeError):
+        b.result(timeout=10)
+    local = LocalHandle(Worker(), "local")
+    part = local.call_split("echo", 2, 7)[0]
+    with pytest.raises(TypeError, match="echo returned int"):
+        part.result(timeout=10)
+    local.shutdown()
+    with pytest.raises(SystemExit):
+        client.call("exit", (), {}).result(timeout=10)
+    assert client.call("echo", (5,), {}).result(timeout=10) == 5
+    never: Future = Future()
+    waiting = client.call("echo", (never,), {})
+    time.sleep(0.1)
+    client.close()
+    with pytest.raises(WorkerDied):
+        waiting.result(timeout=10)

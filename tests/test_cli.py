@@ -116,13 +116,14 @@ def test_bench_runs_benchmarks_main(cli, tmp_path, monkeypatch):
         "    pathlib.Path('argv.json').write_text(json.dumps(argv))\n"
         "    return 3\n"
     )
+    (tmp_path / "kernels").mkdir()  # a checkout's top-level folder of that name must not shadow HF's `kernels`
+    (tmp_path / "kernels" / "__init__.py").write_text("")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    for name in ("benchmarks", "benchmarks.bench"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])  # as `python -m ssd.launch` run from there
     rc, _ = cli("bench", "--quick", "x")
     assert rc == 3
     assert json.loads((tmp_path / "argv.json").read_text()) == ["--quick", "x"]
+    assert str(tmp_path) not in sys.path
 
 
 def test_port_in_use(cli, models):

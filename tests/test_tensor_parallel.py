@@ -189,6 +189,10 @@ def test_tp_placement_plans():
     p = plan_placement(Config(target="t", draft="d", mode="sd", extra={"target_tp": 2}), [0, 1])
     assert [(t.cpu_cores, t.num_threads, t.num_cpus) for t in p.targets] == [([0], 1, 0.5), ([0], 1, 0.5)]
     assert p.draft.cpu_cores == [1] and p.draft.bundle is None
+    # the target's two cores shared with the draft (the draft takes "the rest": none left): half a CPU each
+    p = plan_placement(Config(target="t", draft="d", mode="sd", target_cores=[0, 1], extra={"target_tp": 2}), [0, 1])
+    assert p.draft.cpu_cores == [0, 1]
+    assert sum(t.num_cpus for t in p.targets) + p.draft.num_cpus <= 2
     g = plan_placement(Config(target="t", draft="d", mode="sd", device="cuda", extra={"target_tp": 4}), [0])
     assert [t.bundle for t in g.targets] == [0, 1, 2, 3] and g.draft.bundle == 4
     assert g.bundles == [{"GPU": 1, "CPU": 1}] * 5 and all(t.num_gpus == 1 for t in g.targets)
@@ -273,6 +277,10 @@ def test_creation_error_text():
                      "\x1b[39m (pid=1)\n  File \"x.py\", line 5, in __init__\nValueError: bad tp\nsecond line")
 
     assert creation_error(ActorDied()) == "ValueError: bad tp\nsecond line"
+    ActorDied.error_msg = ("ray::A.__init__() (pid=1)\n  File \"hf.py\", line 3, in load\nKeyError: 'heads'\n\n"
+                           "The above exception was the direct cause of the following exception:\n\n"
+                           "  File \"hf.py\", line 5, in load\nValueError: config.json: missing field 'heads'")
+    assert creation_error(ActorDied()) == "ValueError: config.json: missing field 'heads'"  # not its cause
     ActorDied.actor_init_failed = False  # a death after start-up: no constructor error to report
     assert creation_error(ActorDied()) is None
     assert creation_error(RuntimeError("x")) is None

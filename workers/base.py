@@ -75,14 +75,18 @@ def build_model(
     """A DecoderModel from an alias / path (loaded) or an already-built module (tests). Returns (model, tokenizer).
 
     quantization ("int8" / "int4" / "w4a8" / "w8a8"): quantised linear layers (workers/models/quant.py).
-    An already-built module is copied, then cast to `dtype` and quantised: the caller's module (e.g. one passed
-    as both target and draft, each in its own format) is left as it was. linear_kernel: see
-    `workers.models.dense.apply_linear_kernel`.
+    An already-built module whose nn.Linear layers get quantised or converted is copied first: the caller's
+    module (e.g. one passed as both target and draft, each in its own format) keeps them. One with none left (a
+    model already quantised or converted, as the real-model tests pass: a copy of those would double their
+    memory) is used as it is. linear_kernel: see `workers.models.dense.apply_linear_kernel`.
     """
     from ssd.workers.models.dense import apply_linear_kernel
 
     if isinstance(model, DecoderModel):
-        model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+        if (quantization is not None or linear_kernel != "torch") and any(
+                isinstance(m, torch.nn.Linear) for m in model.modules()):
+            model = copy.deepcopy(model)
+        model = model.to(device=device, dtype=dtype).eval()
         if quantization is not None:
             from ssd.workers.models.quant import quantize_model
 
