@@ -120,7 +120,7 @@ class Engine:
                     self._admit(seq)
                 except Exception as e:  # fail this request only; the other newcomers go on
                     log.exception("admitting request %d failed", seq.seq_id)
-                    if isinstance(e, WorkerDied):  # the target's: the rest wait for a fresh one
+                    if isinstance(e, WorkerDied):  # the target's (a draft's stays in the mode): the rest wait
                         self.scheduler.requeue(newcomers[i + 1:])
                         self._note_target_loss(e)
                         break
@@ -135,9 +135,15 @@ class Engine:
                 return []
             try:
                 outcomes = self.mode.round(running)
-            except Exception as e:
-                self._note_target_loss(e)
-                raise
+            except WorkerDied as e:
+                lost_draft = getattr(self.mode, "_draft_lost", None)
+                if e.name == self.target.name or lost_draft is None:
+                    self._note_target_loss(e)
+                    raise
+                # A draft's output lost on its way to the target (its node died): the target never scored
+                # anything, so the round runs again without the draft, as after any draft loss.
+                lost_draft(e)
+                outcomes = self.mode.round(running)
             emitted = []
             for seq, o in zip(running, outcomes):
                 kept = seq.append(o.tokens)
@@ -183,11 +189,22 @@ class Engine:
             self.scheduler.remove(seq)
             seq.fail(f"{type(e).__name__}: {e}")
             self._release(seq)
+        restart = getattr(self.target, "restart", None)
+        if restart is None or self.target_restarts >= self.max_target_restarts:
+            self._give_up("cannot be replaced" if restart is None else "was replaced too often", e)
+
+    def _give_up(self, how: str, err: BaseException) -> None:
+        """No fresh target: every waiting request fails, and the engine refuses new ones (server: 503)."""
+        self.lost = TargetLost(f"the target worker is lost and {how} ({err}); start a new engine")
+        for seq in list(self.scheduler.waiting):
+            self.scheduler.remove(seq)
+            seq.fail(str(self.lost))
 
     def _replace_target(self) -> None:
-        """Before a round after the target was lost: a fresh target (empty: its requests already failed), or,
-        where the handle cannot restart its worker (in-process) or restarts ran out, every waiting request
-        fails and the engine refuses new ones."""
+        """Before a round after the target was lost: a fresh target (empty: its requests already failed); where
+        that fails, the engine gives up (`_give_up`)."""
+        if self.lost is not None:
+            raise self.lost
         err, restart = self.target_down, getattr(self.target, "restart", None)
         if restart is not None and self.target_restarts < self.max_target_restarts:
             self.target_restarts += 1
@@ -200,11 +217,7 @@ class Engine:
             else:
                 self.target_down = None
                 return
-        how = "cannot be replaced in this process" if restart is None else "could not be replaced"
-        self.lost = TargetLost(f"the target worker is lost and {how} ({err}); start a new engine")
-        for seq in list(self.scheduler.waiting):
-            self.scheduler.remove(seq)
-            seq.fail(str(self.lost))
+        self._give_up("could not be replaced", err)
         raise self.lost
 
     def _forget_on_target(self, seq: Sequence) -> None:

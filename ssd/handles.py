@@ -100,3 +100,8 @@ class LocalHandle:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+    def abandon(self) -> None:
+        """Shut down without waiting for a call that never returns (a worker that stopped answering): its
+        thread is left to finish, or not, on its own; queued calls are cancelled."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

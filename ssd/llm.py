@@ -95,7 +95,8 @@ class LLM:
                 except Exception as e:
                     if raise_errors:
                         raise
-                    self._fail_unfinished(seqs, f"{type(e).__name__}: {e}")
+                    if self.engine.target_down is None:  # a lost target: the engine failed what it lost
+                        self._fail_running(seqs, f"{type(e).__name__}: {e}")
         finally:  # a failed round (or Ctrl-C) must not leave this call's requests in the engine
             self._abort_unfinished(seqs)
         failed = [s for s in seqs if s.error]
@@ -127,10 +128,10 @@ class LLM:
             self._abort_unfinished([seq])
         self.last_stream_output = self._output(seq)
 
-    def _fail_unfinished(self, seqs: list[Sequence], message: str) -> None:
-        """After a failed round: this call's requests still in the engine fail with its error."""
+    def _fail_running(self, seqs: list[Sequence], message: str) -> None:
+        """After a failed round: this call's requests in it fail with its error; those waiting go on."""
         for s in seqs:
-            if not s.finished:
+            if not s.finished and s in self.engine.scheduler.running:
                 self.engine.abort(s)
                 s.error, s.finish_reason = message, "error"
 
@@ -158,7 +159,10 @@ class LLM:
     def shutdown(self) -> None:
         self._closed = True
         for h in self._handles:
-            h.shutdown()
+            if h is self.engine.target and self.engine.target_down is not None and hasattr(h, "abandon"):
+                h.abandon()  # an in-process target that stopped answering: its thread cannot be waited for
+            else:
+                h.shutdown()
         self._handles = []
 
     def __enter__(self) -> LLM:

@@ -9,7 +9,6 @@ from tiny_models import random_model
 from ssd import LLM, SamplingParams
 from ssd.engine import TargetLost
 from ssd.handles import LocalHandle, WorkerDied
-from ssd.sequence import Status
 from ssd.workers.draft_worker import DraftWorker
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -162,7 +161,7 @@ def test_a_lost_target_fails_its_requests_and_a_fresh_one_serves_the_next(models
 def test_an_in_process_target_that_hangs_fails_every_request_and_refuses_new_ones(models):
     target, draft = models
     with LLM(target=target, draft=draft, mode="ssd", k=3, target_timeout_s=0.3, **COMMON) as llm:
-        h = _with_failing_target(llm, target, method="verify", fail_at=2, how="hangs", restartable=False)
+        _with_failing_target(llm, target, method="verify", fail_at=2, how="hangs", restartable=False)
         done = llm.engine.make_sequence([1, 2, 3], GREEDY)
         waiting = [llm.engine.make_sequence(p, GREEDY) for p in PROMPTS]  # 3 run, 1 waits for a slot
         for s in [done, *waiting]:
@@ -170,17 +169,40 @@ def test_an_in_process_target_that_hangs_fails_every_request_and_refuses_new_one
         with pytest.raises(WorkerDied, match="no answer within 0.3 s"):
             while llm.engine.has_work:
                 llm.engine.step()
-        running = [s for s in [done, *waiting] if s.status is Status.FINISHED]
-        assert len(running) == 3 and all("stopped answering: no answer within 0.3 s" in s.error for s in running)
-        assert not llm.engine.scheduler.running and len(llm.engine.scheduler.waiting) == 1
-        with pytest.raises(TargetLost, match="cannot be replaced in this process.*no answer within 0.3 s"):
-            llm.engine.step()  # the round after: the request still waiting fails, not left queued forever
+        queued = [s for s in [done, *waiting] if s.error.startswith("the target worker is lost")]
+        ran = [s for s in [done, *waiting] if s not in queued]
+        assert all("stopped answering: no answer within 0.3 s" in s.error for s in ran)
+        assert len(ran) == 3 and len(queued) == 1  # the one still waiting fails at once, not left queued forever
+        assert "target worker is lost and cannot be replaced" in queued[0].error
         assert all(s.finish_reason == "error" for s in [done, *waiting]) and not llm.engine.has_work
-        assert "target worker is lost" in [s for s in waiting if s not in running][0].error
+        assert llm.engine.lost is not None  # refused from now on (the server's /health says so at once)
+        with pytest.raises(TargetLost, match="cannot be replaced.*no answer within 0.3 s"):
+            llm.engine.step()
         with pytest.raises(TargetLost):
             llm.generate(PROMPTS, GREEDY)  # refused at once, nothing queued
         assert not llm.engine.scheduler.waiting
-        h.shutdown()
+
+
+def test_shutdown_does_not_wait_for_a_target_call_that_never_answered(models):
+    import time
+
+    target, _ = models
+    llm = LLM(target=target, mode="ar", ar_steps=1, target_timeout_s=0.3, **COMMON)
+    worker, calls = llm.engine.target.worker, []
+    verify = worker.verify
+
+    def stuck(*args, **kwargs):  # the second call hangs (5 s here; forever in the case this guards)
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(5)
+        return verify(*args, **kwargs)
+
+    worker.verify = stuck
+    with pytest.raises(WorkerDied, match="stopped answering"):
+        llm.generate(PROMPTS[:1], GREEDY)
+    t0 = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - t0 < 2.0
 
 
 def test_target_timeout_option_is_checked():
@@ -198,3 +220,48 @@ def test_target_timeout_option_is_checked():
     assert kw("--target-timeout", "30")["target_timeout_s"] == 30.0
     assert kw("--target-timeout", "none")["target_timeout_s"] == float("inf")  # Config: None
     assert "target_timeout_s" not in kw()
+
+
+@pytest.mark.parametrize("mode_name", ["sd", "ssd"])
+def test_a_drafts_output_lost_on_its_way_to_the_target_is_a_draft_loss(models, ar_outputs, mode_name):
+    """Over Ray, q travels from the draft to the target's verify: if the draft's node dies, the target's call fails
+    with the draft's WorkerDied. That is the draft's loss (rounds go on without it, exactly), not the target's."""
+    target, draft = models
+    kw = {"backup": "neural"} if mode_name == "ssd" else {}
+    with LLM(target=target, draft=draft, mode=mode_name, k=3, **kw, **COMMON) as llm:
+        h = _with_failing_target(llm, target, method="verify", fail_at=0, how="dies")  # the target never fails
+        h.call = _draft_lost_once(h.call)
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        mode = llm.engine.mode
+        h.shutdown()
+    assert outs == ar_outputs
+    assert llm.engine.target_down is None and llm.engine.target_restarts == 0
+    assert mode.stats.policy.get("ar_fallback", 0) >= 1 or mode.draft_restarts == 1
+
+
+def _draft_lost_once(call):
+    state = {"n": 0}
+
+    def wrapped(method, *args, **kwargs):
+        if method == "verify":
+            state["n"] += 1
+            if state["n"] == 3:
+                f = Future()
+                f.set_exception(WorkerDied("draft", RuntimeError("the draft's node died")))
+                return f
+        return call(method, *args, **kwargs)
+    return wrapped
+
+
+def test_generate_without_raising_lets_waiting_requests_outlive_a_lost_target(models, ar_outputs):
+    """generate(raise_errors=False): a target that dies fails the requests it held; those still waiting run on
+    the fresh target, and every output comes back."""
+    target, _ = models
+    params = dict(COMMON, max_batch=1)
+    with LLM(target=target, mode="ar", target_timeout_s=5, **params) as llm:
+        h = _with_failing_target(llm, target, method="decode", fail_at=2, how="dies")
+        outs = llm.generate(PROMPTS, GREEDY, raise_errors=False)
+        h.shutdown()
+    assert outs[0].finish_reason == "error" and "killed" in outs[0].error  # the one running when it died
+    assert [o.token_ids for o in outs[1:]] == ar_outputs[1:] and all(o.error is None for o in outs[1:])
+    assert llm.engine.target_restarts == 1

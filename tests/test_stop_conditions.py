@@ -251,7 +251,8 @@ def test_generate_can_return_failed_requests_beside_the_others(target):
             raise RuntimeError("injected round failure")
 
         llm.engine.mode.round = fail_once
-        outs = llm.generate([[5, 6], [7, 8]], params, raise_errors=False)
-        assert all(o.finish_reason == "error" and "injected round failure" in o.error for o in outs)
+        outs = llm.generate([[5, 6], [7, 8], [5, 6]], params, raise_errors=False)  # the third waits for a slot
+        assert all(o.finish_reason == "error" and "injected round failure" in o.error for o in outs[:2])
+        assert outs[2].error is None and outs[2].token_ids == want[0].token_ids
         assert not llm.engine.has_work
         assert [o.token_ids for o in llm.generate([[5, 6], [7, 8]], params)] == [o.token_ids for o in want]
