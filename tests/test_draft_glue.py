@@ -116,3 +116,41 @@ def test_resolve_without_a_speculation_sees_the_tokens_once(models):
     x = w.propose([(0, K)])[0][0].tokens
     w.resolve([(0, 1, [x[0], 11], K)], neural_backup=False)
     assert w.dseqs[0].history == [*PROMPT, x[0], 11]
+
+
+def test_a_hit_ships_each_token_with_the_q_it_was_drawn_from(models):
+    """On a cache hit, token j of the prepared draft travels with the distribution it was sampled from: the draft's
+    own, given the context, the round's outcome and y_<j (not the previous round's q, nor another depth's or
+    branch's). Checked against a plain forward of the draft on that prefix, round after round."""
+    import torch
+
+    from ssd.kernels.sampling import filter_logits
+    from ssd.workers.model_runner import ModelRunner
+    from ssd.workers.subset_q import dense_q
+
+    draft, temp = models[1], 0.9
+    ref = ModelRunner(draft, max_slots=1, max_len=128)
+
+    def q_ref(ids: list[int]) -> torch.Tensor:
+        s = ref.allocate()
+        logits = ref.forward([s], [ids], last_only=True)  # [1, V]
+        ref.free(s)
+        return filter_logits(logits, torch.tensor([temp]), torch.tensor([0]), torch.tensor([1.0]))[0]
+
+    w = DraftWorker(draft, dtype="float32", max_slots=1, max_len=128)
+    w.add(0, PROMPT, SamplingSpec(temperature=temp, seed=11))
+    drafts, qs = w.propose([(0, K)])
+    x, context = drafts[0].tokens, list(PROMPT)
+    for j in range(K):
+        assert torch.allclose(dense_q(qs[0])[j], q_ref(context + x[:j]), atol=1e-5)
+    for round_id in range(4):
+        fanout = [1, 1, 1, 2]
+        w.speculate([SpecRequest(seq_id=0, round_id=round_id, tokens=x, fanout=fanout, next_fanout=fanout,
+                                 k_next=K)])
+        k, t = sorted(w.cache._entries[0][1])[round_id % 2]  # a different branch from round to round
+        [res] = w.resolve([(0, k, [*x[:k], t], K)], neural_backup=True)
+        assert res.hit and len(res.draft.tokens) == K
+        context += [*x[:k], t]
+        x, q = res.draft.tokens, dense_q(res.q)
+        for j in range(K):
+            assert torch.allclose(q[j], q_ref(context + x[:j]), atol=1e-5), (round_id, k, t, j)
