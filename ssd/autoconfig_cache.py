@@ -26,6 +26,7 @@ from typing import Any
 from ssd.autoconfig import AutoConfig
 from ssd.config import Config
 from ssd.handles import WorkerHandle
+from ssd.sampling_params import is_int
 
 log = logging.getLogger("ssd")
 
@@ -79,8 +80,9 @@ def machine() -> dict[str, str]:
 
 
 def model_identity(spec: Any) -> dict[str, Any] | None:
-    """A model given by name or path: its resolved path, size and modification time; None for anything else
-    (an in-memory model has no identity that outlives the process)."""
+    """A model given by name or path: its resolved path, size and modification time (a directory's: of its
+    config and weight files, which can change in place without the directory's own changing); None for anything
+    else (an in-memory model has no identity that outlives the process)."""
     if not isinstance(spec, str):
         return None
     from ssd.workers.loader import resolve_alias
@@ -88,9 +90,17 @@ def model_identity(spec: Any) -> dict[str, Any] | None:
     try:
         path = Path(resolve_alias(spec))
         st = path.stat()
+        files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES
+                       ) if path.is_dir() else []
+        contents = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     except (OSError, ValueError):
         return None
-    return {"spec": spec, "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"spec": spec, "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "files": contents}
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+_TIMING_TABLES = ("t_verify", "t_draft", "t_chain", "t_borrowed", "t_verify_busy")  # token count -> seconds
 
 
 # Config fields that set what autoconfigure measures: the models' formats, devices, cores and threads, the
@@ -134,7 +144,13 @@ def _load(path: Path) -> tuple[AutoConfig, dict[str, float]] | None:
         for name, value in fields.items():  # JSON keys are strings: token counts back to int
             if isinstance(value, dict):
                 fields[name] = {int(n): float(t) for n, t in value.items()}
-        return AutoConfig(**fields), {k: float(v) for k, v in entry["check"].items()}
+        check = {k: float(v) for k, v in entry["check"].items()}
+        ac = AutoConfig(**fields)
+        shaped = (set(check) == {"target", "draft"} and is_int(ac.k) and is_int(ac.budget)
+                  and all(isinstance(getattr(ac, f), dict) or getattr(ac, f) is None for f in _TIMING_TABLES)
+                  and isinstance(ac.t_verify, dict) and isinstance(ac.t_draft, dict)
+                  and all(isinstance(getattr(ac, f), float) for f in ("t_draft1", "t_step")))
+        return (ac, check) if shaped else None  # JSON of another shape: measured again
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable, or JSON of another shape
         return None
 

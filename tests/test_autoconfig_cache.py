@@ -68,7 +68,12 @@ def test_other_settings_are_other_entries_and_bad_entries_are_measured_over(cach
     other = CountingHandle(0.03, 0.05)
     start({"models": "b"}, other, CountingHandle(0.004, 0.02))
     assert measured(other) and len(list(cache.glob("*.json"))) == 2
-    for bad in ("{not json", "[]", "null", f'{{"format": {acc.FORMAT}, "config": null, "check": null}}'):
+    good = json.loads(next(cache.glob("*.json")).read_text())
+    shaped_wrong = [json.dumps({**good, "check": {"verify": 1.0, "draft": 1.0}}),  # a check key renamed
+                    json.dumps({**good, "config": {**good["config"], "t_verify": [0.1, 0.2]}}),  # a table as a list
+                    json.dumps({**good, "config": {**good["config"], "k": "4"}})]  # K as a string
+    for bad in ("{not json", "[]", "null", f'{{"format": {acc.FORMAT}, "config": null, "check": null}}',
+                *shaped_wrong):
         for f in cache.glob("*.json"):
             f.write_text(bad)  # truncated, or JSON of another shape
         broken = CountingHandle(0.03, 0.05)
@@ -121,6 +126,13 @@ def test_the_key(tmp_path):
     ident = acc.model_identity(str(model))
     assert ident["size"] == 10 and ident["path"] == str(model.resolve())
     assert acc.model_identity(object()) is None and acc.model_identity(str(tmp_path / "missing")) is None
+    folder = tmp_path / "hf"  # a directory's identity follows its files, rewritten in place or not
+    folder.mkdir()
+    (folder / "config.json").write_text('{"num_hidden_layers": 2}')
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    before = acc.model_identity(str(folder))
+    (folder / "model.safetensors").write_bytes(b"x" * 20)
+    assert acc.model_identity(str(folder)) != before
     info = TimedHandle(0.03, 0.05)
     info.call = lambda method, *a, **k: _done({"num_threads": 1, "pid": next(pids), "node_id": "n"})
     cfg = Config(target=str(model), draft=str(model), mode="ssd", use_ray=False)

@@ -109,6 +109,25 @@ def test_rmsnorm_matches_module_and_is_row_independent(dtype):
     assert torch.equal(torch.cat([norm(x[i : i + 1]) for i in range(7)]), got)
 
 
+def test_rmsnorm_refuses_what_it_cannot_read():
+    """The kernel reads fp32 or bf16: an fp16 tensor (or a weight of another dtype or size) had been read and
+    written as fp32, past the end of its buffer. The module takes torch's formula for fp16."""
+    x = torch.randn(4, 96)
+    for bad_x, bad_w in [(x.half(), torch.ones(96).half()), (x, torch.ones(96).bfloat16()), (x, torch.ones(95)),
+                         (x.t().contiguous().t(), torch.ones(4))]:
+        with pytest.raises(ValueError, match="rmsnorm"):
+            qk.rmsnorm(bad_x, bad_w, 1e-6)
+    norm = RMSNorm(96, 1e-6).half()
+    norm.use_cpu_kernel = True
+    assert norm(x.half()).dtype == torch.float16
+    from tiny_models import random_model
+
+    from ssd.workers.models.quant import quantize_model
+
+    with pytest.raises(ValueError, match="float32 or bfloat16 model, not torch.float16"):
+        quantize_model(random_model(vocab=32, hidden=64, heads=2, kv_heads=1).half(), "w8a8")
+
+
 @pytest.mark.parametrize("v", [1, 7, 32, 33, 100, 32769, 151936])
 def test_argmax_rows_is_torchs_argmax(v):
     """The first maximum of each row, as torch.argmax: random rows, rows of many ties, all -inf, 3-d input;

@@ -137,6 +137,38 @@ def rank_results(tmp_path_factory):
     return [torch.load(f"{tmp}/rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+def _tp3_rank(rank: int, tmp: str) -> None:
+    from ssd.workers.models.dense import apply_linear_kernel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=3,
+                            timeout=timedelta(seconds=60))
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = random_model(vocab=64, hidden=96, heads=6, kv_heads=3, layers=2, seed=3).to(dtype)
+        model = apply_linear_kernel(shard_model(model, rank, 3), "auto")  # as TPTargetWorker.load_model
+        runner = ModelRunner(model, max_slots=2, max_len=128)
+        a, b = runner.allocate(), runner.allocate()
+        prompt, block = [(7 * i) % 64 for i in range(30)], [5, 9, 2, 33, 17, 8, 61, 4]
+        runner.forward([a], [prompt])
+        runner.forward([b], [prompt])
+        together = runner.forward([a], [block])[0]  # [8, V]
+        alone = torch.stack([runner.forward([b], [[t]])[0, 0] for t in block])
+        out[str(dtype)] = (model.batch_invariant, torch.equal(together, alone))
+    torch.save(out, f"{tmp}/tp3_rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_tp3_blocks_keep_the_bits_of_one_token_forwards(tmp_path):
+    """Beyond 2 ranks a ring all-reduce sums each chunk in its own rank order, chunked by the buffer's size: a
+    verification block's tokens would differ from decoding them one by one (greedy SD != AR). The row-parallel
+    sum gathers the partials and adds them in rank order instead."""
+    mp.spawn(_tp3_rank, args=(str(tmp_path),), nprocs=3, join=True)
+    for r in range(3):
+        for dtype, (invariant, equal) in torch.load(f"{tmp_path}/tp3_rank{r}.pt").items():
+            assert invariant and equal, (r, dtype)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_logits_equal_single_rank(rank_results, name):
     ref = _score(_case_model(name))

@@ -45,6 +45,18 @@ def test_kept_rows_give_the_full_heads_logits(name):
     assert torch.isneginf(sub[:, dropped]).all()
 
 
+def test_a_dense_heads_kept_rows_carry_no_autograd_history():
+    """head_rows of a DenseLinear (its weight a Parameter) is a plain buffer: the restricted draft can be copied."""
+    import copy
+
+    from ssd.workers.models.dense import DenseLinear
+
+    w = torch.nn.Parameter(torch.randn(48, 64))
+    rows = head_rows(DenseLinear(w, None), KEEP)
+    assert not any(t.requires_grad for t in rows.state_dict().values())
+    copy.deepcopy(SubsetHead(rows, KEEP, 48, DenseLinear(w, None)))
+
+
 def test_draft_vocab_ids_and_bad_input():
     assert draft_vocab_ids(100, 4, [99, 500]).tolist() == [0, 1, 2, 3, 99]  # eos kept, out-of-range dropped
     model = random_model(vocab=40, layers=1, seed=4)

@@ -297,6 +297,11 @@ def linear_dense(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim (fp32 math), for contiguous fp32/bf16 x."""
     d = x.shape[-1]
+    if (x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or x.device.type != "cpu"
+            or weight.dtype != x.dtype or tuple(weight.shape) != (d,) or not weight.is_contiguous()):
+        # the C kernel reads and writes fp32 or bf16 in place of whatever it is given
+        raise ValueError(f"rmsnorm: contiguous fp32/bf16 CPU x [..., D] and a [D] weight of its dtype expected, got "
+                         f"{x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
     out = torch.empty_like(x)
     _require().ssd_rmsnorm(
         x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.dtype == torch.bfloat16, x.numel() // d, d, eps

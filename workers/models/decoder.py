@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_cpu_kernel and x.dtype == self.weight.dtype:
+        if self.use_cpu_kernel and x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.bfloat16):
             # Always this path, whatever the layout: Qwen3's q/k norms get strided views for a block of tokens
             # but contiguous ones for a single token, and the torch formula below rounds differently.
             return cpu_kernels.rmsnorm(x.contiguous(), self.weight, self.eps)

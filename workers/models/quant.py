@@ -455,6 +455,8 @@ def quantize_model(
             return overrides[name]
         return head if name.rpartition(".")[2] == "lm_head" else mode
 
+    if mode in BLOCK_MODES and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantization={mode!r} takes a float32 or bfloat16 model, not {dtype}")
     if device.type != "cpu" and mode in BLOCK_MODES:
         raise ValueError(f"quantization={mode!r} runs on CPU only (AVX2 kernel); use int8/int4 on {device}")
     used = {layer_mode(name) for name, _ in linears} - {None}

@@ -5,8 +5,9 @@ Per decoder layer, rank r of W keeps
   the fused qkv_proj): column-parallel, no communication. With contiguous head blocks, every query
   head's KV head (h // (H/Hkv)) lies on the same rank, and the KV cache per rank holds only its
   Hkv/W heads (ModelRunner reads the per-rank count from the attention modules).
-* o_proj: the matching input columns, row-parallel: a partial product, all-reduced (sum) over the
-  group, then the bias (if any) added once.
+* o_proj: the matching input columns, row-parallel: a partial product, summed over the group (all-reduce
+  for 2 ranks; beyond, gathered and summed in rank order, so a token's bits do not depend on the forward's
+  size), then the bias (if any) added once.
 * MLP: gate/up_proj (or fused gate_up_proj) column-parallel over intermediate features
   [r*I/W, (r+1)*I/W), down_proj row-parallel like o_proj.
 * Embeddings, norms and the LM head: replicated. Every rank therefore computes the same logits
@@ -46,7 +47,18 @@ class RowParallelLinear(nn.Module):
         y = self.inner(x)
         if not y.is_contiguous():
             y = y.contiguous()
-        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
+        world = dist.get_world_size(self.group)
+        if world <= 2:  # a + b: the same bits in any order
+            dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
+        else:
+            # A ring all-reduce sums each chunk of the buffer in its own rank order, and the chunks follow the
+            # buffer's size: an element's bits would depend on how many tokens share the forward. Gathered
+            # and summed in rank order, they do not (batch invariance, greedy SD == AR).
+            parts = [torch.empty_like(y) for _ in range(world)]
+            dist.all_gather(parts, y, group=self.group)
+            y = parts[0]
+            for p in parts[1:]:
+                y = y + p
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -123,7 +123,7 @@ def head_rows(head: nn.Module, keep: torch.Tensor) -> nn.Module:
         return lin
     act_dtype = bias.dtype if bias is not None else torch.bfloat16  # only the bias's dtype depends on it
     if isinstance(head, DenseLinear):
-        return DenseLinear(head.weight[keep], bias)
+        return DenseLinear(head.weight.detach()[keep], bias)
     if isinstance(head, W4A8Linear):  # q4, q4g64
         return type(head)(head.codes(keep), head.scale_of(keep), head.offset_of(keep), bias, act_dtype)
     if isinstance(head, _TiledLinear):
