@@ -93,3 +93,62 @@ def test_a_misshaped_q_is_refused_before_the_forward():
     before = w.seqs[0].committed
     o = w.verify([Draft(seq_id=0, tokens=[1, 2], q_kind="dist", parents=[-1, 0])], [torch.full((3, V), 1.0 / V)])[0]
     assert w.seqs[0].committed == before + len(o.tokens) and 1 <= len(o.tokens) <= 3
+
+
+def _iid_tree_samples(target, draft, n: int, shift_q: bool = False) -> tuple[list[tuple], list[int]]:
+    """n trials: a tree whose two root children are i.i.d. draws from the draft's q at the prompt, each with one
+    child drawn from q after it; verified with q_kind "dist" (row 0: the root's children's q, row 1 + i: node
+    i's children's). shift_q sends row i + 1 in place of row i (a verifier reading the wrong rows)."""
+    import torch
+
+    from ssd.kernels.sampling import filter_logits
+    from ssd.workers.model_runner import ModelRunner
+
+    runner = ModelRunner(draft, max_slots=1, max_len=64)
+
+    def dist(ids: list[int]) -> torch.Tensor:
+        s = runner.allocate()
+        logits = runner.forward([s], [ids], last_only=True)
+        runner.free(s)
+        return filter_logits(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))[0]
+
+    q_root = dist(PROMPT)
+    q_after = {t: dist(PROMPT + [t]) for t in range(V)}
+    flat = torch.full((V,), 1.0 / V)
+    w = TargetWorker(target, dtype="float32", max_slots=64, max_len=64)
+    samples, accepted = [], []
+    for start in range(0, n, 64):
+        ids = list(range(start, min(n, start + 64)))
+        drafts, qs = [], []
+        for i in ids:
+            w.add(i, PROMPT, SamplingSpec(temperature=1.0, seed=i))
+            g = torch.Generator().manual_seed(10_000 + i)
+            c1, c2 = (int(torch.multinomial(q_root, 1, generator=g)) for _ in range(2))
+            g1, g2 = (int(torch.multinomial(q_after[c], 1, generator=g)) for c in (c1, c2))
+            q = torch.stack([q_root, q_after[c1], flat, q_after[c2], flat])  # [N + 1, V]
+            if shift_q:
+                q = torch.cat([q[1:], flat[None]])
+            drafts.append(Draft(seq_id=i, tokens=[c1, g1, c2, g2], q_kind="dist", parents=[-1, 0, -1, 2]))
+            qs.append(q)
+        outs = w.verify(drafts, qs)
+        accepted += [o.num_accepted for o in outs]
+        short = [o.seq_id for o in outs if len(o.tokens) < 2]
+        more = {o.seq_id: o.tokens for o in w.verify([Draft(seq_id=i) for i in short])} if short else {}
+        for o in outs:
+            samples.append(tuple((o.tokens + more.get(o.seq_id, []))[:2]))
+        for i in ids:
+            w.remove(i)
+    return samples, accepted
+
+
+def test_sampled_tree_with_iid_siblings_is_exact():
+    """Siblings drawn i.i.d. (with replacement) from the draft's q, verified with their q rows: the emitted
+    tokens follow the target's distribution; a verifier reading each node's q from the wrong row is caught."""
+    target = random_model(vocab=V, layers=2, seed=22, scale=1.5)
+    draft = random_model(vocab=V, layers=1, seed=24, scale=1.5)
+    exact = exact_continuation_probs(target, PROMPT, 2, SamplingParams(temperature=1.0))
+    samples, accepted = _iid_tree_samples(target, draft, 3000)
+    assert chi_square_pvalue(samples, exact) > 1e-3
+    assert sum(a >= 1 for a in accepted) > 3000 * 0.2  # the tree is really used (~0.26 accept a root child)
+    shifted, _ = _iid_tree_samples(target, draft, 3000, shift_q=True)
+    assert chi_square_pvalue(shifted, exact) < 1e-6
