@@ -69,9 +69,3 @@ class KVCache:
         self.k[:, slot, :, dst] = self.k[:, slot, :, src].clone()
         self.v[:, slot, :, dst] = self.v[:, slot, :, src].clone()
         self.lengths[slot] = base_len + len(offsets)
-
-    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
-        """Copy the first `length` positions of one slot into another (fork a sequence)."""
-        self.k[:, dst_slot, :, :length] = self.k[:, src_slot, :, :length]
-        self.v[:, dst_slot, :, :length] = self.v[:, src_slot, :, :length]
-        self.lengths[dst_slot] = length

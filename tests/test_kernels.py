@@ -89,6 +89,9 @@ def test_filter_logits_semantics():
     assert out[0].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]  # greedy: tie -> lowest index
     torch.testing.assert_close(out[1], torch.softmax(logits[1], -1))  # all filters off
     assert out[2].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]  # top-1 with a tie keeps exactly 1: lowest index
+    # top-p keeps a token while the mass before it is below p: 4 equal tokens at p = 0.5 keep 2, not 3
+    half = filter_logits(torch.zeros(1, 4), torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([0.5]))
+    assert (half > 0).sum() == 2
     torch.testing.assert_close(out[3], torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0]))
     torch.testing.assert_close(out[4], torch.softmax(logits[4] / 0.5, -1))
     torch.testing.assert_close(out[5], torch.softmax(logits[5], -1))  # top_k >= V is off

@@ -265,3 +265,37 @@ def test_generate_without_raising_lets_waiting_requests_outlive_a_lost_target(mo
     assert outs[0].finish_reason == "error" and "killed" in outs[0].error  # the one running when it died
     assert [o.token_ids for o in outs[1:]] == ar_outputs[1:] and all(o.error is None for o in outs[1:])
     assert llm.engine.target_restarts == 1
+
+
+def test_newcomers_behind_a_lost_admission_wait_for_the_fresh_target(models, ar_outputs):
+    """The target dies admitting the second of three newcomers: the first (admitted) and the second fail with its
+    error; the third never reached it and runs on the fresh target."""
+    target, draft = models
+    with LLM(target=target, draft=draft, mode="ssd", k=3, backup="neural", **COMMON) as llm:
+        h = _with_failing_target(llm, target, method="add", fail_at=2, how="dies")
+        outs = llm.generate(PROMPTS, GREEDY, raise_errors=False)
+        h.shutdown()
+    assert [o.finish_reason for o in outs[:2]] == ["error", "error"]
+    assert outs[2].error is None and outs[2].token_ids == ar_outputs[2]
+
+
+def test_a_target_lost_once_too_often_is_given_up_at_once(models):
+    """Every restart used up: the loss after them makes the engine refuse work right away (health 503), not a
+    round later."""
+    target, _ = models
+    with LLM(target=target, mode="ar", ar_steps=1, **COMMON) as llm:
+        h = _with_failing_target(llm, target, method="verify", fail_at=1, how="dies")
+        restart = h.restart
+
+        def restart_dead():  # each fresh target dies on its first verify too
+            restart()
+            h.calls, h.dead = 0, False
+            return h
+
+        h.restart = restart_dead
+        for loss in range(1, 5):
+            with pytest.raises(WorkerDied):
+                llm.generate(PROMPTS[:1], GREEDY)
+            assert llm.engine.target_restarts == min(loss - 1, 3)
+            assert (llm.engine.lost is not None) == (loss == 4), loss
+        h.shutdown()

@@ -31,7 +31,7 @@ def make_seq(stop=(), stop_token_ids=(), max_tokens=32, decode=None) -> Sequence
 def test_stop_string_cuts_the_tokens_of_a_multi_token_round():
     seq = make_seq(stop=["C"])
     kept = seq.append([0, 1, 2, 3, 4])  # A B C D E: "C" completes at the third token
-    assert kept == [0, 1, 2]
+    assert kept == [0, 1, 2] and seq.metrics.first_tokens == 3  # the first delivery: what was kept of it
     assert seq.output_ids == [0, 1, 2]  # the completing token is kept, as one token at a time would
     assert (seq.text, seq.finish_reason) == ("AB", "stop")
 
