@@ -344,11 +344,7 @@ class TestLocalRay:
         with LLM(target=target, draft=draft, mode=mode_name, k=3, use_ray=True, **COMMON) as llm:
             eng, mode = llm.engine, llm.engine.mode
             params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-            seqs = [eng.make_sequence(p, params) for p in PROMPTS]
-            for s in seqs:
-                eng.add(s)
-            for _ in range(3):
-                eng.step()
+            seqs = _started(eng, params, rounds=3)
             ray.kill(mode.draft.actor)
             for _ in range(5):  # the kill is asynchronous; the next draft call or the one after fails
                 eng.step()
@@ -381,11 +377,7 @@ class TestLocalRay:
         target, draft = models
         with LLM(target=target, draft=draft, mode="ssd", k=3, use_ray=True, **COMMON) as llm:
             eng = llm.engine
-            seqs = [eng.make_sequence(p, GREEDY) for p in PROMPTS]
-            for s in seqs:
-                eng.add(s)
-            for _ in range(2):
-                eng.step()
+            seqs = _started(eng, GREEDY, rounds=2)
             ray.kill(eng.target.actor)
             with pytest.raises(WorkerDied, match="target"):
                 for _ in range(20):  # the kill is asynchronous: a call may still be served
@@ -395,6 +387,16 @@ class TestLocalRay:
             outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
             assert eng.target_restarts == 1 and eng.target_down is None and eng.target.alive()
         assert outs == local_outputs["ar"]
+
+
+def _started(eng, params: SamplingParams, rounds: int) -> list:
+    """PROMPTS added to the engine and `rounds` rounds run: the sequences, still running."""
+    seqs = [eng.make_sequence(p, params) for p in PROMPTS]
+    for s in seqs:
+        eng.add(s)
+    for _ in range(rounds):
+        eng.step()
+    return seqs
 
 
 # -- two Ray nodes ---------------------------------------------------------------------------------

@@ -16,30 +16,38 @@ PROMPTS = [[1, 2, 3, 4], [7, 7, 7], [3, 1, 4, 1, 5]]
 COMMON = dict(dtype="float32", max_batch=3, max_len=128)
 
 
-class DyingDraft(LocalHandle):
-    """A draft handle that fails from the n-th call of `method` on, until restarted (like RayHandle): it dies
-    (WorkerDied), hangs (its calls never answer) or raises an ordinary error."""
+class FailingHandle(LocalHandle):
+    """A worker handle that fails from the n-th call of `method` on, until restarted (like RayHandle): it dies
+    (WorkerDied), hangs (its calls never answer) or raises an ordinary error. `restartable=False` behaves like
+    an in-process worker: nothing can replace it."""
 
-    def __init__(self, make, method: str, die_at: int, how: str = "dies") -> None:
-        super().__init__(make(), "draft")
-        self.make, self.method, self.die_at, self.calls, self.dead, self.how = make, method, die_at, 0, False, how
+    def __init__(self, make, method: str, fail_at: int, how: str = "dies", name: str = "draft",
+                 restartable: bool = True) -> None:
+        super().__init__(make(), name)
+        self.make, self.method, self.fail_at, self.calls, self.dead, self.how = make, method, fail_at, 0, False, how
+        if restartable:
+            self.restart = self._restart
 
     def call(self, method, *args, **kwargs):
         if method == self.method:
             self.calls += 1
-            self.dead = self.dead or self.calls == self.die_at
+            self.dead = self.dead or self.calls == self.fail_at
         if self.dead:
             f = Future()
             if self.how == "dies":
-                f.set_exception(WorkerDied("draft", RuntimeError("killed")))
+                f.set_exception(WorkerDied(self.name, RuntimeError("killed")))
             elif self.how == "raises":
-                f.set_exception(ValueError("a bug in the draft"))
+                f.set_exception(ValueError(f"a bug in the {self.name}"))
             return f  # "hangs": never answered
         return super().call(method, *args, **kwargs)
 
-    def restart(self):
+    def _restart(self):
         self.worker, self.dead = self.make(), False
         return self
+
+
+def dying_draft(draft, method: str, fail_at: int, how: str = "dies") -> FailingHandle:
+    return FailingHandle(lambda: DraftWorker(draft, dtype="float32", max_slots=4, max_len=512), method, fail_at, how)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +66,7 @@ def test_ssd_survives_draft_death(models, ar_outputs, method, die_at):
     target, draft = models
     with LLM(target=target, draft=draft, mode="ssd", k=3, backup="neural", **COMMON) as llm:
         mode = llm.engine.mode
-        dying = DyingDraft(lambda: DraftWorker(draft, dtype="float32", max_slots=4, max_len=512), method, die_at)
+        dying = dying_draft(draft, method, die_at)
         mode.draft = dying
         outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         policy = dict(mode.stats.policy)
@@ -79,8 +87,7 @@ def test_a_hung_or_failing_draft_is_replaced(models, ar_outputs, how, mode_name,
     with LLM(target=target, draft=draft, mode=mode_name, k=3, draft_timeout_s=0.3, **kw, **COMMON) as llm:
         mode = llm.engine.mode
         assert mode.draft_timeout_s == 0.3
-        mode.draft = DyingDraft(lambda: DraftWorker(draft, dtype="float32", max_slots=4, max_len=512), method,
-                                die_at, how)
+        mode.draft = dying_draft(draft, method, die_at, how)
         outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         policy = dict(mode.stats.policy)
     assert outs == ar_outputs  # no request lost, no wrong token
@@ -101,36 +108,11 @@ def test_draft_timeout_option_is_checked():
         Config(target="t", draft="d", draft_timeout_s=1e12)
 
 
-class FailingTarget(LocalHandle):
-    """A target handle whose n-th call of `method` (and every call after it) dies or hangs, until restarted.
-    `restartable=False` behaves like an in-process target: nothing can replace it."""
-
-    def __init__(self, make, method: str, fail_at: int, how: str, restartable: bool = True) -> None:
-        super().__init__(make(), "target")
-        self.make, self.method, self.fail_at, self.how, self.calls, self.dead = make, method, fail_at, how, 0, False
-        if restartable:
-            self.restart = self._restart
-
-    def call(self, method, *args, **kwargs):
-        if method == self.method:
-            self.calls += 1
-            self.dead = self.dead or self.calls == self.fail_at
-        if self.dead:
-            f = Future()
-            if self.how == "dies":
-                f.set_exception(WorkerDied("target", RuntimeError("killed")))
-            return f  # "hangs": never answered
-        return super().call(method, *args, **kwargs)
-
-    def _restart(self):
-        self.worker, self.dead = self.make(), False
-        return self
-
-
-def _with_failing_target(llm, target_model, **kw) -> FailingTarget:
+def _with_failing_target(llm, target_model, **kw) -> FailingHandle:
     from ssd.workers.target_worker import TargetWorker
 
-    h = FailingTarget(lambda: TargetWorker(target_model, dtype="float32", max_slots=3, max_len=128), **kw)
+    h = FailingHandle(lambda: TargetWorker(target_model, dtype="float32", max_slots=3, max_len=128), name="target",
+                      **kw)
     llm.engine.target = llm.engine.mode.target = h
     return h
 

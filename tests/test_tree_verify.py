@@ -20,6 +20,16 @@ def ar_tokens(model, n: int) -> list[int]:
     return out[:n]
 
 
+def first_two(w: TargetWorker, outs: list) -> list[tuple]:
+    """Each verified sequence's first two tokens (one more plain step where its round emitted one); then the
+    sequences are removed."""
+    short = [o.seq_id for o in outs if len(o.tokens) < 2]
+    more = {o.seq_id: o.tokens for o in w.verify([Draft(seq_id=i) for i in short])} if short else {}
+    for o in outs:
+        w.remove(o.seq_id)
+    return [tuple((o.tokens + more.get(o.seq_id, []))[:2]) for o in outs]
+
+
 def test_greedy_tree_accepts_the_argmax_path_and_continues_exactly():
     model = random_model(vocab=V, layers=2, seed=21, scale=2.0)
     ref = ar_tokens(model, 8)
@@ -63,12 +73,7 @@ def test_sampled_tree_with_point_mass_siblings_is_exact():
             w.add(i, PROMPT, SamplingSpec(temperature=1.0, seed=i))
         outs = w.verify([Draft(seq_id=i, tokens=tokens, q_kind="point", parents=parents) for i in ids])
         accepted += [o.num_accepted for o in outs]
-        short = [o.seq_id for o in outs if len(o.tokens) < 2]
-        more = {o.seq_id: o.tokens for o in w.verify([Draft(seq_id=i) for i in short])} if short else {}
-        for o in outs:
-            samples.append(tuple((o.tokens + more.get(o.seq_id, []))[:2]))
-        for i in ids:
-            w.remove(i)
+        samples += first_two(w, outs)
     p = chi_square_pvalue(samples, exact)
     assert p > 1e-3, p
     # The tree was really verified (plain sampling from p would pass the chi-square too): the first level's
@@ -132,12 +137,7 @@ def _iid_tree_samples(target, draft, n: int, shift_q: bool = False) -> tuple[lis
             qs.append(q)
         outs = w.verify(drafts, qs)
         accepted += [o.num_accepted for o in outs]
-        short = [o.seq_id for o in outs if len(o.tokens) < 2]
-        more = {o.seq_id: o.tokens for o in w.verify([Draft(seq_id=i) for i in short])} if short else {}
-        for o in outs:
-            samples.append(tuple((o.tokens + more.get(o.seq_id, []))[:2]))
-        for i in ids:
-            w.remove(i)
+        samples += first_two(w, outs)
     return samples, accepted
 
 
