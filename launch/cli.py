@@ -211,6 +211,8 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
+    from ssd.config import is_device_name
+
     cuda = torch.cuda.is_available()
     kw: dict[str, Any] = {"target": target, "draft": draft if uses_draft else None, "mode": args.mode}
     extra: dict[str, Any] = {}
@@ -240,7 +242,7 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         extra.update(gpu_ids=list(ids), target_tp=tp, target_gpus=target_ids, draft_gpu=draft_id)
     else:
         device = args.device or ("cuda" if cuda else "cpu")
-        if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        if not is_device_name(device):
             raise CLIError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
         if device.startswith("cuda") and not cuda:
             raise CLIError(f"--device {device} but CUDA is not available on this machine")

@@ -92,7 +92,7 @@ def model_identity(spec: Any) -> dict[str, Any] | None:
         st = path.stat()
         files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES
                        ) if path.is_dir() else []
-        contents = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+        contents = [(p.name, s.st_size, s.st_mtime_ns) for p, s in ((p, p.stat()) for p in files)]
     except (OSError, ValueError):
         return None
     return {"spec": spec, "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,

@@ -111,7 +111,7 @@ class Config:
             raise ValueError(f"extra must be a dict, got {self.extra!r}")
         for name in ("device", "draft_device"):
             d = getattr(self, name)
-            if not (d is None and name == "draft_device") and not _device_name(d):
+            if not (d is None and name == "draft_device") and not is_device_name(d):
                 raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {d!r}")
         for name in ("target_threads", "draft_threads"):
             n = getattr(self, name)
@@ -262,7 +262,7 @@ def _on_cpu(device: str) -> bool:
     return str(device).split(":")[0] == "cpu"
 
 
-def _device_name(d: object) -> bool:
+def is_device_name(d: object) -> bool:
     """'cpu', 'cuda', or either with ':N' (whether that GPU exists is the worker's to find out)."""
     if not isinstance(d, str):
         return False

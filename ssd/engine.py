@@ -177,11 +177,9 @@ class Engine:
     # -- a lost target -----------------------------------------------------------------------
     max_target_restarts = 3
 
-    def _note_target_loss(self, e: BaseException) -> None:
-        """A WorkerDied that reaches the engine is the target's (a draft's loss stays inside the mode): every
-        running request fails with it, whoever added it (its KV went with the target)."""
-        if not isinstance(e, WorkerDied):
-            return
+    def _note_target_loss(self, e: WorkerDied) -> None:
+        """The target's WorkerDied (a draft's loss stays inside the mode): every running request fails with it,
+        whoever added it (its KV went with the target)."""
         if self.target_down is None:
             log.error("target worker lost (%s); its running requests fail", e)
             self.target_down = e
@@ -202,23 +200,18 @@ class Engine:
 
     def _replace_target(self) -> None:
         """Before a round after the target was lost: a fresh target (empty: its requests already failed); where
-        that fails, the engine gives up (`_give_up`)."""
+        that fails, the engine gives up (`_give_up`). A loss with no restart left gave up already."""
         if self.lost is not None:
             raise self.lost
-        err, restart = self.target_down, getattr(self.target, "restart", None)
-        if restart is not None and self.target_restarts < self.max_target_restarts:
-            self.target_restarts += 1
-            log.warning("starting a fresh target worker (restart %d of %d)", self.target_restarts,
-                        self.max_target_restarts)
-            try:
-                restart()
-            except Exception as e:  # noqa: BLE001 - reported as the reason the engine stops serving
-                err = WorkerDied(self.target.name, e)
-            else:
-                self.target_down = None
-                return
-        self._give_up("could not be replaced", err)
-        raise self.lost
+        self.target_restarts += 1
+        log.warning("starting a fresh target worker (restart %d of %d)", self.target_restarts,
+                    self.max_target_restarts)
+        try:
+            self.target.restart()  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - reported as the reason the engine stops serving
+            self._give_up("could not be replaced", WorkerDied(self.target.name, e))
+            raise self.lost from e  # type: ignore[misc]
+        self.target_down = None
 
     def _forget_on_target(self, seq: Sequence) -> None:
         if self.target_down is None:  # a lost target's state is gone with it

@@ -161,7 +161,7 @@ class TargetWorker(ModelWorker):
                     row[None], torch.tensor([sp.temperature]), torch.tensor([sp.top_k]), torch.tensor([sp.top_p])
                 )[0]  # [N+1, V]
                 u = uniforms(st.gen, 2 * n + 1).to(row.device)  # [2N+1]
-                q = dense_q(q_draft[b]).to(row.device) if d.q_kind == "dist" and q_draft[b] is not None else None
+                q = dense_q(q_draft[b]).to(row.device) if d.q_kind == "dist" else None  # shape: _check_q
                 path, nxt = verify_tree_rejection(
                     tree_tokens, tree_parents, p_target[0], p_target[1:],
                     None if q is None else q[0], None if q is None else q[1:], u,

@@ -397,6 +397,18 @@ def make_quant_linear(
     return Int8Linear.from_float(weight, bias, dtype)  # int8, or int4 shapes the kernel cannot take
 
 
+# A GGUF file's own codes, kept as they are: the block layer that holds each kind, and the modes that keep them.
+_FILE_CODE_MODES = {"q5": ("w4a8",), "q6": ("w4a8", "w8a8"), "q8": ("w4a8", "w8a8")}
+
+
+def _file_codes_layer(kind: str, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                      dtype: torch.dtype) -> _QuantLinear:
+    from ssd.workers.models.blockquant import W5A8Linear, W6A8Linear, W8A8Linear
+
+    build = {"q5": W5A8Linear.from_q5, "q6": W6A8Linear, "q8": W8A8Linear}[kind]
+    return build(codes, scale, bias, dtype)
+
+
 def quantize_model(
     model: nn.Module,
     mode: str | None,
@@ -493,27 +505,12 @@ def quantize_model(
                 from ssd.workers.models.blockquant import W4A8Linear
 
                 q = W4A8Linear.from_affine(codes, scale, offset, lin.bias, dtype)
-        elif lmode == "w4a8" and name in q5:
-            from ssd.workers.models.blockquant import W5A8Linear
-
-            codes, scale = q5[name]
+        elif (kind := next((kind for kind, table in (("q5", q5), ("q6", q6), ("q8", q8))
+                            if name in table and lmode in _FILE_CODE_MODES[kind]), None)) is not None:
+            codes, scale = {"q5": q5, "q6": q6, "q8": q8}[kind][name]
             if tuple(codes.shape) != tuple(weight.shape):
-                raise ValueError(f"{name}: q5 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
-            q = W5A8Linear.from_q5(codes, scale, lin.bias, dtype)
-        elif lmode in ("w4a8", "w8a8") and name in q6:
-            from ssd.workers.models.blockquant import W6A8Linear
-
-            codes, scale = q6[name]
-            if tuple(codes.shape) != tuple(weight.shape):
-                raise ValueError(f"{name}: q6 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
-            q = W6A8Linear(codes, scale, lin.bias, dtype)
-        elif lmode in ("w4a8", "w8a8") and name in q8:
-            from ssd.workers.models.blockquant import W8A8Linear
-
-            codes, scale = q8[name]
-            if tuple(codes.shape) != tuple(weight.shape):
-                raise ValueError(f"{name}: q8 codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
-            q = W8A8Linear(codes, scale, lin.bias, dtype)
+                raise ValueError(f"{name}: {kind} codes {tuple(codes.shape)}, weight {tuple(weight.shape)}")
+            q = _file_codes_layer(kind, codes, scale, lin.bias, dtype)
         else:
             q = make_quant_linear(lmode, weight, lin.bias, dtype)
         if debug:  # against the loaded weights: for a file's own codes, their rounding to the load dtype
