@@ -12,13 +12,21 @@ timer starts before its first round, which decodes the prompt's last token on th
 measured here) prefills the whole prompt on the draft model, so its decode rate counts that work in and reads
 low (by ~5-8 % on HumanEval prompts, an estimate from a 0.5B prefill of ~140 tokens against ~39 s of decode;
 not measured). Both speculative tools also run a few tokens past `-n` (they stop on the round after it).
+On the Intel Xeon with AMX (sessions 13 and 50, llama.cpp 0c1e570), a `-DGGML_NATIVE=ON` build's AMX path crashed
+llama-completion and llama-lookup in prompt processing (SIGSEGV in ggml_backend_amx_mul_mat; llama-bench's decode
+ran): build without it (`-mno-amx-tile -mno-amx-int8 -mno-amx-bf16` in CMAKE_C_FLAGS and CMAKE_CXX_FLAGS),
+as the error then says.
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 from pathlib import Path
+
+_SEGFAULT_HINT = (" (a segmentation fault: where llama.cpp was built with AMX, a build without it, -mno-amx-tile "
+                  "-mno-amx-int8 -mno-amx-bf16 in CMAKE_C_FLAGS and CMAKE_CXX_FLAGS, ran)")
 
 TOOLS = {"ar": "llama-completion", "ngram": "llama-lookup", "draft": "llama-speculative-simple"}
 
@@ -82,7 +90,8 @@ def run(bin_dir: str | Path, mode: str, target: str, draft: str, prompts: dict[s
             cmd = command(bin_dir, mode, target, draft, text, max_tokens, threads)
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
             if proc.returncode != 0:
-                raise RuntimeError(f"{cmd[0]} exited {proc.returncode}:\n{proc.stderr[-1500:]}")
+                hint = _SEGFAULT_HINT if proc.returncode == -signal.SIGSEGV else ""
+                raise RuntimeError(f"{cmd[0]} exited {proc.returncode}{hint}:\n{proc.stderr[-1500:]}")
             got = parse(mode, proc.stdout + proc.stderr)
             tokens += got["tokens"]
             decode_tokens += got["decode_tokens"]

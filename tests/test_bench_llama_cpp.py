@@ -88,3 +88,11 @@ def test_run_reports_a_failing_tool(tmp_path):
     tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
     with pytest.raises(RuntimeError, match="exited 3:\nload failed"):
         llama_cpp.run(tmp_path, "ngram", "t", "d", {"he": ["a"]}, 8, 1)
+
+
+def test_a_crashing_tool_names_the_build_that_ran(tmp_path):
+    tool = tmp_path / "llama-completion"
+    tool.write_text("#!/bin/sh\necho 'threadpool init' >&2\nkill -SEGV $$\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    with pytest.raises(RuntimeError, match=r"exited -11 \(a segmentation fault: .*-mno-amx-int8.*\):\nthreadpool init"):
+        llama_cpp.run(tmp_path, "ar", "t", "d", {"he": ["a"]}, 8, 1)
