@@ -220,6 +220,7 @@ class SSDTuner(_RequestAcceptance):
     miss_scale: float = 1.0  # measured / start-up time of a miss's just-in-time draft of k tokens
     ema: float = 0.3
     ranked: RankedHits | None = None  # greedy rows rank their candidates: hit rates from these, not the quotas'
+    k_choices: tuple[int, ...] = K_CHOICES  # a user's K: (K,), and only B is chosen
 
     def observe_round_times(self, k: int, b: int, t_verify: float, t_spec: float, t_wait: float,
                             jit_draft: bool = False) -> None:
@@ -240,13 +241,18 @@ class SSDTuner(_RequestAcceptance):
         else:
             self.t_fixed = (1 - e) * self.t_fixed + e * fixed
 
+    @property
+    def chooses_k(self) -> bool:
+        """False where the user fixed K: only the budget is re-chosen."""
+        return len(self.k_choices) > 1
+
     def choose(self, seq_ids: Sequence[int] = ()) -> tuple[int, int]:
         """(K, B) for the batch of `seq_ids` (engine-wide estimates without ids)."""
         ranked = self.ranked
         hit_rate = None if ranked is None else lambda b: ranked.hit_rate(b, seq_ids)
         return _choose_ssd(self.t_verify, self.t_chain, self.t_branch, self.acceptance_of(seq_ids),
                            self.verify_scale, self.spec_scale, self.t_fixed, hit_rate=hit_rate,
-                           miss_scale=self.miss_scale, batch=max(1, len(seq_ids)))
+                           miss_scale=self.miss_scale, batch=max(1, len(seq_ids)), k_choices=self.k_choices)
 
     def forget(self, seq_id: int) -> None:
         super().forget(seq_id)
@@ -267,10 +273,11 @@ def rows_time(t: dict[int, float], n: int) -> float:
     return t[hi] + max(0.0, (t[hi] - t[lo]) / (hi - lo)) * (n - hi)
 
 
-def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float, batch: int = 1) -> int:
+def _choose_sd(t_verify: dict[int, float], t_draft1: float, a: float, batch: int = 1,
+               k_choices: Sequence[int] = K_CHOICES) -> int:
     """K for plain SD: a batch verifies batch x (K + 1) tokens in one forward (its draft steps are priced at one
     row's: memory-bound at the batch sizes SD suits)."""
-    return max(K_CHOICES, key=lambda k: expected_tokens(a, k) / (k * t_draft1 + rows_time(t_verify, batch * (k + 1))))
+    return max(k_choices, key=lambda k: expected_tokens(a, k) / (k * t_draft1 + rows_time(t_verify, batch * (k + 1))))
 
 
 def model_hit_rate(fanout: list[int], a: float, r: float) -> float:
@@ -306,13 +313,14 @@ def spec_time(t_chain: dict[int, float], t_branch: dict[int, float], k: int, b: 
 def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch: dict[int, float],
                 a: float, verify_scale: float = 1.0, spec_scale: float = 1.0, t_fixed: float = 0.0,
                 hit_rate: Callable[[int], float] | None = None, miss_scale: float = 1.0,
-                batch: int = 1) -> tuple[int, int]:
+                batch: int = 1, k_choices: Sequence[int] = K_CHOICES) -> tuple[int, int]:
     """The (K, B) with the most expected tokens per second for a batch of `batch` sequences, which verify
     batch x (K + 1) tokens and speculate batch x B branches a round; the scales and the fixed per-round cost
     correct the start-up latencies with what rounds actually took (SSDTuner.observe_round_times).
-    `hit_rate(B)`: ranked candidates' hit rate (RankedHits), else the geometric quotas' model."""
-    best, best_score = (K_CHOICES[0], K_CHOICES[0] + 1), -1.0
-    for k in K_CHOICES:
+    `hit_rate(B)`: ranked candidates' hit rate (RankedHits), else the geometric quotas' model. `k_choices`: the
+    draft lengths considered (a user's K alone: the budget is still chosen)."""
+    best, best_score = (k_choices[0], k_choices[0] + 1), -1.0
+    for k in k_choices:
         for b in budgets(k):
             t_spec = spec_scale * spec_time(t_chain, t_branch, k, b, batch)
             if hit_rate is not None:
@@ -331,13 +339,14 @@ def _choose_ssd(t_verify: dict[int, float], t_chain: dict[int, float], t_branch:
 
 def autoconfigure(
     target: WorkerHandle, draft: WorkerHandle, ssd: bool, borrow: bool = False, draft_borrow: bool = False,
-    busy: bool = False,
+    busy: bool = False, k_choices: Sequence[int] = K_CHOICES,
 ) -> AutoConfig:
     """Measure this machine's latencies and pick K (and SSD's fan-out budget) from them. `borrow` /
     `draft_borrow`: also time the target / draft on the other worker's cores; `busy`: also time the target's
     verifications while the draft runs forwards beside it (SSD rounds; on CPU both stream their weights
-    through one memory path: `benchmarks/contention.py` on the Zen 5 machine, 1.28x for 1 token, 1.56x for 3)."""
-    ns = sorted({k + 1 for k in K_CHOICES})
+    through one memory path: `benchmarks/contention.py` on the Zen 5 machine, 1.28x for 1 token, 1.56x for 3).
+    `k_choices`: the draft lengths to time and choose from (a user's K alone: only SSD's budget is chosen)."""
+    ns = sorted({k + 1 for k in k_choices})
     t0 = time.perf_counter()
     t_verify = target.call("time_forwards", [1, *ns]).result()  # n = 1: the policy's AR price
     t_verify_busy = None
@@ -356,15 +365,15 @@ def autoconfigure(
         draft_share = (lent[1] / t_step + lent[ns[-1]] / t_chain[ns[-1]]) / 2
     t_draft1 = 0.0
     if ssd:
-        sizes = sorted({b for k in K_CHOICES for b in budgets(k)})
+        sizes = sorted({b for k in k_choices for b in budgets(k)})
         timed = sorted({b for b in sizes if b in BRANCH_TIMED} | {sizes[-1]})
         measured = draft.call("time_forwards", timed, 128, True).result()
         t_branch = {b: interpolate(measured, b) for b in sizes}
-        k, b = _choose_ssd(t_verify, t_chain, t_branch, PRIOR_ACCEPTANCE)
+        k, b = _choose_ssd(t_verify, t_chain, t_branch, PRIOR_ACCEPTANCE, k_choices=k_choices)
     else:  # one draft step feeds plain SD's choice (and its per-round KTuner); SSD does not use it
         t_branch = {1: t_chain[ns[0]]}
         t_draft1 = t_step
-        k, b = _choose_sd(t_verify, t_draft1, PRIOR_ACCEPTANCE), 0
+        k, b = _choose_sd(t_verify, t_draft1, PRIOR_ACCEPTANCE, k_choices=k_choices), 0
     for f in [target.call("release_probe"), draft.call("release_probe")]:  # the timing slots go back
         f.result()
     log.info("auto-config: k=%d budget=%d (verify %s ms)", k, b,

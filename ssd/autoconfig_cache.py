@@ -110,7 +110,7 @@ _KEY_FIELDS = ("dtype", "quantization", "draft_quantization", "draft_vocab", "dr
                "target_threads", "draft_threads", "core_loans", "use_ray", "max_len", "extra")
 
 
-def autoconfig_key(cfg: Config, target: WorkerHandle, draft: WorkerHandle, flags: dict[str, bool]
+def autoconfig_key(cfg: Config, target: WorkerHandle, draft: WorkerHandle, flags: dict[str, Any]
                    ) -> dict[str, Any] | None:
     """What an engine's measurements depend on; None if they cannot be stored (the cache is off for this
     engine, or a model is not a named file or directory)."""

@@ -8,7 +8,17 @@ from typing import Any
 
 import torch
 
-from ssd.autoconfig import K_CHOICES, AutoConfig, KTuner, RankedHits, SSDTuner, autoconfigure, feed_time, spec_time
+from ssd.autoconfig import (
+    K_CHOICES,
+    AutoConfig,
+    KTuner,
+    RankedHits,
+    SSDTuner,
+    autoconfigure,
+    budgets,
+    feed_time,
+    spec_time,
+)
 from ssd.autoconfig_cache import autoconfig_key, cached_autoconfigure
 from ssd.config import Config
 from ssd.engine import Engine
@@ -39,14 +49,13 @@ def ranked_candidates(cfg: Config) -> bool:
 
 def draft_headroom(cfg: Config) -> int:
     """Extra draft KV positions for SSD's tree region: K chain nodes plus B branches of K nodes."""
-    if cfg.k is None:  # auto-configured later: room for the largest choice
-        k = max(K_CHOICES)
-        budget = cfg.fanout if isinstance(cfg.fanout, int) else 4 * (k + 1)
-    else:
-        k = cfg.k
-        budget = make_fanout_planner(cfg, k).B
+    k = max(K_CHOICES) if cfg.k is None else cfg.k  # auto-configured later: room for the largest choice
     if isinstance(cfg.fanout, list):
         budget = sum(cfg.fanout)
+    elif isinstance(cfg.fanout, int):
+        budget = cfg.fanout
+    else:  # auto-configured later (whether K is or not): room for the largest budget tried
+        budget = max(budgets(k))
     # + lookahead guesses: up to LOOKAHEAD_BRANCHES branches a step (speculate skips them when out of room)
     return (k + 1) * (budget + 1) + k * LOOKAHEAD_BRANCHES * cfg.draft_lookahead
 
@@ -62,16 +71,23 @@ def make_mode(
     tuner: KTuner | None = None
     ssd_tuner: SSDTuner | None = None
     ac: AutoConfig | None = None
-    if cfg.k is None and draft is not None and cfg.mode in ("sd", "ssd", "auto"):
-        flags = dict(ssd=cfg.mode != "sd", borrow=borrow, draft_borrow=draft_borrow, busy=borrow)
+    k_auto = cfg.k is None
+    # Measured at start-up unless the user fixed everything there is to choose: K (plain SD), K and the
+    # budget (SSD, auto). A user's K alone still gets a budget that fits the speculation inside a verification.
+    speculates = cfg.mode in ("ssd", "auto")
+    if draft is not None and (k_auto and cfg.mode == "sd" or speculates and (k_auto or cfg.fanout is None)):
+        k_choices = K_CHOICES if k_auto else (cfg.k,)
+        flags: dict[str, Any] = dict(ssd=cfg.mode != "sd", borrow=borrow, draft_borrow=draft_borrow, busy=borrow)
+        if not k_auto:
+            flags["k_choices"] = k_choices
         ac = cached_autoconfigure(autoconfig_key(cfg, target, draft, flags), target, draft,
                                   lambda: autoconfigure(target, draft, **flags))
         cfg.k = ac.k
         if cfg.mode == "sd":
             tuner = KTuner(t_verify=ac.t_verify, t_draft1=ac.t_draft1, gated=cfg.draft_gate)
-        elif cfg.fanout is None:  # K and B both auto: re-chosen every round (a user's fan-out stays)
+        elif cfg.fanout is None:  # B (and K unless the user's) re-chosen every round; a user's fan-out stays
             ssd_tuner = SSDTuner(t_verify=ac.t_verify, t_chain=ac.t_chain, t_branch=ac.t_draft,
-                                 ranked=RankedHits() if ranked_candidates(cfg) else None)
+                                 ranked=RankedHits() if ranked_candidates(cfg) else None, k_choices=k_choices)
         if cfg.fanout is None and ac.budget:
             cfg.fanout = ac.budget
     k = cfg.k or DEFAULT_K
@@ -87,7 +103,7 @@ def make_mode(
     mode = SSDMode(
         target, draft, k, make_fanout_planner(cfg, k), backup=cfg.backup,
         allowed=policy_options(cfg.mode, cfg.backup), vocab_size=vocab_size, ngram_max=cfg.ngram_max,
-        tuner=ssd_tuner, borrow=borrow, draft_borrow=draft_borrow, gate=cfg.draft_gate and ac is not None,
+        tuner=ssd_tuner, borrow=borrow, draft_borrow=draft_borrow, gate=cfg.draft_gate and k_auto,
     )
     mode.draft_timeout_s = cfg.draft_timeout_s
     if ac is not None:  # the policy starts from this machine's latencies

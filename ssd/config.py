@@ -52,7 +52,8 @@ class Config:
     # mode="ar": tokens decoded per call to the target worker (one actor round trip per call, not per token;
     # new requests wait for the call to end). Same tokens and random draws as one per call.
     ar_steps: int = 4
-    fanout: int | list[int] | None = None  # SSD budget B (int) or explicit F_0..F_K
+    # SSD budget B (int) or explicit F_0..F_K; None: chosen from measured latencies (for a given k too)
+    fanout: int | list[int] | None = None
     fanout_kind: str = "geometric"  # or "uniform"
     # How greedy rows spend SSD's budget B: "ranked" on the B outcomes (k, t*) the draft finds likeliest
     # (its probability of x_1..x_k, then t*), "quota" on F_k candidates per k as the fan-out gives them.

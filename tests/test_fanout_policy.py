@@ -330,6 +330,29 @@ def test_ssd_with_auto_k_tunes_and_stays_exact(models, ar_outputs):
         assert llm.engine.mode.tuner is None  # a fan-out the user fixed keeps K fixed too
 
 
+def test_ssd_with_a_users_k_still_fits_its_budget_to_the_measured_latencies(models, ar_outputs):
+    """K given, fan-out not: start-up times the pair at that K and picks the budget B that fits the speculation
+    inside a verification, re-chosen every round; K never moves, the policy starts from the measured prices.
+    (Before, B was 2 per position, unmeasured: on the real pair, placement a, K = 4 spent 43 % of its time
+    waiting for overrunning speculations, 0.58x the auto-configured SSD.)"""
+    from tiny_models import GREEDY, PROMPTS
+
+    from ssd import LLM
+    from ssd.autoconfig import budgets
+
+    with LLM(target=models[0], draft=models[1], mode="ssd", k=3, dtype="float32", max_batch=3, max_len=160) as llm:
+        mode = llm.engine.mode
+        tuner = mode.tuner
+        assert tuner is not None and not tuner.chooses_k and set(tuner.t_verify) == {1, 4}
+        assert min(mode.cost.verify.v0.n, mode.cost.draft_step.n, mode.cost.speculate.n) == 1  # seeded
+        chosen = record_choices(tuner)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_outputs
+        assert chosen and all(k == 3 and b in budgets(3) for _, (k, b) in chosen)
+        assert (mode.k, mode.planner.B) == chosen[-1][1]
+    with LLM(target=models[0], draft=models[1], mode="ssd", k=3, fanout=5, dtype="float32", max_len=160) as llm:
+        assert llm.engine.mode.tuner is None and llm.engine.mode.planner.B == 5  # both fixed: nothing measured
+
+
 def test_sd_with_auto_k_tunes_and_stays_exact(models, ar_outputs):
     from tiny_models import GREEDY, PROMPTS
 
@@ -568,7 +591,9 @@ def test_auto_sd_rounds_draft_the_sd_length_and_stay_exact(models, ar_outputs, m
         assert [o.token_ids for o in outs] == ar_outputs[:2]
         want = 7 if fixed_k is None else fixed_k
         assert lens and max(lens) == want and set(lens) <= set(range(want + 1))
-        assert (mode.tuner is None) == (fixed_k is not None)
+        # the budget is re-chosen every round either way; K only where the user left it open
+        assert mode.tuner is not None and mode.tuner.chooses_k == (fixed_k is None)
+        assert fixed_k is None or mode.k == fixed_k
 
 
 def test_just_in_time_drafts_fit_a_line_so_one_step_drafts_do_not_inflate_the_step():

@@ -81,7 +81,7 @@ class SSDMode(DraftBackedMode):
         # miss) run while the target waits for them, so the draft computes on the target's cores too.
         self.draft_borrow = draft_borrow
         self.planner = planner
-        self.tuner = tuner  # when K and B were auto-configured: re-chosen every round
+        self.tuner = tuner  # when B (and K, unless the user's) was auto-configured: re-chosen every round
         self.backup = backup
         self.allowed = allowed
         self.vocab_size = vocab_size
@@ -167,7 +167,7 @@ class SSDMode(DraftBackedMode):
             self._round_backlog = sum(self._lag.get(s.seq_id, 0) for s in seqs)
             self._round_k, self._round_lag = self.k, lag
             self._sd_k = self.k
-            if self.tuner is not None and "sd" in self.allowed:
+            if self.tuner is not None and self.tuner.chooses_k and "sd" in self.allowed:
                 self._sd_k = best_sd_len(self.cost, self.cost.acceptance.value, len(seqs), SD_K_MAX)
             choice, self.last_scores = choose(self.cost, len(seqs), self.k, self.allowed, ngram, prepared=prepared,
                                               current=self.last_choice or None, lag=self._round_backlog,
