@@ -41,7 +41,7 @@ def test_target_and_draft_prefill_at_once(models, mode):
     target, draft = models
     with LLM(target=target, mode="ar", **COMMON) as llm:
         want = llm.generate([PROMPT], GREEDY)[0].token_ids
-    with LLM(target=target, draft=draft, mode=mode, k=3, **COMMON, use_ray=False) as llm:
+    with LLM(target=target, draft=draft, mode=mode, k=3, fanout=8, **COMMON, use_ray=False) as llm:
         both = threading.Barrier(2, timeout=20)
         for worker in (llm.engine.target.worker, llm.engine.mode.draft.worker):
             add = worker.add

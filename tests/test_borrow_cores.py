@@ -87,7 +87,7 @@ def test_in_process_workers_compute_on_their_own_cores(models, ar_outputs, resto
     call; building the workers leaves the caller's cores and thread count as they were. (Before: both
     threads kept the affinity of the thread that built the draft last, so the target ran on the draft's core.)"""
     before = os.sched_getaffinity(0), torch.get_num_threads()
-    with LLM(target=models[0], draft=models[1], mode="ssd", k=3, dtype="float32", max_batch=4, max_len=128,
+    with LLM(target=models[0], draft=models[1], mode="ssd", k=3, fanout=8, dtype="float32", max_batch=4, max_len=128,
              use_ray=False, target_cores=CORES[:1], draft_cores=CORES[1:2]) as llm:
         assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
         mode = llm.engine.mode
@@ -303,7 +303,7 @@ def test_auto_borrows_in_idle_draft_rounds_and_stays_exact(models, ar_outputs, m
     verifications never borrow (the draft speculates meanwhile). Just-in-time drafts (SD, catch-ups, the
     neural backup's) run on the target's core too; speculation never does. Greedy output still equals AR."""
     cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ar", "ssd_fast", "sd", "ar", "ssd_neural", "ssd_neural"])
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3,
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, fanout=8,
              dtype="float32", max_batch=4, max_len=128, use_ray=False) as llm:
         mode = lend_cores(llm)
         calls: list[tuple[str, tuple]] = []
@@ -335,7 +335,7 @@ def test_exploration_while_borrowing_stays_with_options_that_need_no_catch_up(mo
     From a ready SSD pipeline only SSD options are tried, as before."""
     from ssd.modes.ssd import EXPLORE_SD_LAG
 
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3,
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, fanout=8,
              dtype="float32", max_batch=2, max_len=64, use_ray=False) as llm:
         mode = llm.engine.mode
         assert all(mode._explorable(o, "ar", 0.0) for o in ("ssd_neural", "ssd_fast", "sd", "ngram"))
@@ -357,7 +357,8 @@ def test_stale_sd_is_re_measured_when_it_can_be_tried(models):
     first rounds while borrowing), if it scores within EXPLORE_WITHIN of the choice or a request starts."""
     from ssd.modes.ssd import EXPLORE_EVERY, EXPLORE_SD_LAG, EXPLORE_WITHIN
 
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=2, max_len=64) as llm:
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, fanout=8, dtype="float32", max_batch=2,
+             max_len=64) as llm:
         mode = llm.engine.mode
         mode.borrow = True
         mode.stats.rounds = 100
@@ -641,7 +642,8 @@ def test_borrowed_rounds_count_the_draft_backlog_until_a_draft_round_feeds_it(mo
         return next(order), dict.fromkeys(allowed, 1.0)
 
     monkeypatch.setattr(ssd_mode, "choose", fake_choose)
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=1, max_len=128) as llm:
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, fanout=8, dtype="float32", max_batch=1,
+             max_len=128) as llm:
         mode = llm.engine.mode
         mode.borrow = True
         mode.cost.enable_borrow()
@@ -700,7 +702,7 @@ def test_extend_refuses_what_is_not_a_prompt_piece():
 
 
 def test_prefill_cut_follows_the_measured_costs(models):
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3,
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, fanout=8,
              dtype="float32", max_batch=1, max_len=64, use_ray=False) as llm:
         mode = llm.engine.mode
         mode.cost.feed, mode.cost.verify.v1 = Ema(0.005, n=1), Ema(0.02, n=1)
@@ -725,7 +727,7 @@ def test_auto_prefills_the_rest_of_a_prompt_on_borrowed_cores_and_stays_exact(mo
     with LLM(target=models[0], mode="ar", dtype="float32", max_batch=2, max_len=128) as llm:
         expected = [o.token_ids for o in llm.generate(LONG_PROMPTS, GREEDY)]
     cycle_policy(monkeypatch, ["ngram", "ar", "ssd_neural", "sd"])
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3,
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, fanout=8,
              dtype="float32", max_batch=2, max_len=128, use_ray=False) as llm:
         mode = lend_cores(llm)
         mode.cost.feed, mode.cost.verify.v1 = Ema(0.004, n=1), Ema(0.012, n=1)

@@ -14,7 +14,7 @@ def models():
     return random_model(vocab=40, layers=2, seed=3, scale=2.0), random_model(vocab=40, layers=1, seed=4, scale=2.0)
 
 
-@pytest.mark.parametrize("mode,kw", [("ar", {}), ("sd", {"k": 6}), ("ngram", {"k": 6}), ("ssd", {"k": 6}),
+@pytest.mark.parametrize("mode,kw", [("ar", {}), ("sd", {"k": 6}), ("ngram", {"k": 6}), ("ssd", {"k": 6, "fanout": 14}),
                                      ("ssd", {}), ("auto", {})])
 def test_prompt_plus_max_tokens_up_to_max_len(models, mode, kw):
     prompts = [[5, 6, 7] * 10, [1], [9, 9]]

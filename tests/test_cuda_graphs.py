@@ -108,7 +108,7 @@ def test_capture_ahead_takes_every_longer_bucket_and_writes_only_the_scratch_slo
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "auto"])
 def test_greedy_on_the_graph_path_equals_ar(models, ar_outputs, host_graphs, mode, linear_kernel):
     """Every forward of target and draft (SSD's tree steps included) through the graph inputs."""
-    with LLM(target=models[0], draft=None if mode == "ar" else models[1], mode=mode, k=3, dtype="float32",
+    with LLM(target=models[0], draft=None if mode == "ar" else models[1], mode=mode, k=3, fanout=8, dtype="float32",
              max_batch=3, max_len=128, linear_kernel=linear_kernel) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_outputs
 
@@ -154,7 +154,7 @@ def test_greedy_with_cuda_graphs_equals_eager(mode):
     draft = random_model(vocab=256, layers=1, hidden=64, heads=4, kv_heads=2, seed=2, scale=2.0)
     outs = []
     for graphs in (False, True):
-        with LLM(target=target, draft=None if mode == "ar" else draft, mode=mode, k=3, device="cuda",
+        with LLM(target=target, draft=None if mode == "ar" else draft, mode=mode, k=3, fanout=8, device="cuda",
                  dtype="float32", max_batch=4, max_len=256, use_ray=False, cuda_graphs=graphs) as llm:
             outs.append([o.token_ids for o in llm.generate(PROMPTS, GREEDY)])
     assert outs[0] == outs[1]

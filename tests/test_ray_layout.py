@@ -233,9 +233,9 @@ class TestLocalRay:
         """Without use_ray, ssd/auto with a draft on CPU run as Ray actors over the channel, and give the
         in-process engine's greedy tokens and seeded samples (mode ssd: its rounds do not depend on timing)."""
         target, draft = models
-        with LLM(target=target, draft=draft, mode="ssd", k=3, use_ray=False, **COMMON) as llm:
+        with LLM(target=target, draft=draft, mode="ssd", k=3, fanout=8, use_ray=False, **COMMON) as llm:
             want = [o.token_ids for o in llm.generate(PROMPTS, SAMPLED)]
-        with LLM(target=target, draft=draft, mode="ssd", k=3, **COMMON) as llm:
+        with LLM(target=target, draft=draft, mode="ssd", k=3, fanout=8, **COMMON) as llm:
             assert llm.config.use_ray and all(h.via_channel for h in llm._handles)
             assert [o.token_ids for o in llm.generate(PROMPTS, SAMPLED)] == want
         with LLM(target=target, draft=draft, **COMMON) as llm:  # mode auto
@@ -248,17 +248,17 @@ class TestLocalRay:
         CPUs. Once the first closes, the next engine gets Ray again."""
         target, draft = models
         quick = {"ray_cpu_wait_s": 0.5}
-        with LLM(target=target, draft=draft, mode="ssd", k=3, **COMMON) as first:
+        with LLM(target=target, draft=draft, mode="ssd", k=3, fanout=8, **COMMON) as first:
             assert first.config.use_ray
             with caplog.at_level(logging.WARNING, logger="ssd"):
-                with LLM(target=target, draft=draft, mode="ssd", k=3, extra=quick, **COMMON) as second:
+                with LLM(target=target, draft=draft, mode="ssd", k=3, fanout=8, extra=quick, **COMMON) as second:
                     assert not second.config.use_ray and not any(isinstance(h, RayHandle) for h in second._handles)
                     assert [o.token_ids for o in second.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
             assert "another engine in this process holds them" in caplog.text
             with pytest.raises(RuntimeError, match="CPUs free"):
                 LLM(target=target, draft=draft, mode="sd", k=3, use_ray=True, extra=quick, **COMMON)
             assert [o.token_ids for o in first.generate(PROMPTS, GREEDY)] == local_outputs["ar"]
-        with LLM(target=target, draft=draft, mode="ssd", k=3, **COMMON) as third:  # the CPUs come back
+        with LLM(target=target, draft=draft, mode="ssd", k=3, fanout=8, **COMMON) as third:  # the CPUs come back
             assert third.config.use_ray and all(isinstance(h, RayHandle) for h in third._handles)
 
     def test_messages_cross_as_msgpack(self):
@@ -341,7 +341,7 @@ class TestLocalRay:
     @pytest.mark.parametrize("mode_name", ["sd", "ssd"])
     def test_draft_killed_mid_generation(self, models, local_outputs, mode_name):
         target, draft = models
-        with LLM(target=target, draft=draft, mode=mode_name, k=3, use_ray=True, **COMMON) as llm:
+        with LLM(target=target, draft=draft, mode=mode_name, k=3, fanout=8, use_ray=True, **COMMON) as llm:
             eng, mode = llm.engine, llm.engine.mode
             params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
             seqs = _started(eng, params, rounds=3)
@@ -375,7 +375,7 @@ class TestLocalRay:
         """The target's actor dies: its running requests fail with that error (their KV went with it); the
         engine starts a fresh target actor and serves the next requests exactly."""
         target, draft = models
-        with LLM(target=target, draft=draft, mode="ssd", k=3, use_ray=True, **COMMON) as llm:
+        with LLM(target=target, draft=draft, mode="ssd", k=3, fanout=8, use_ray=True, **COMMON) as llm:
             eng = llm.engine
             seqs = _started(eng, GREEDY, rounds=2)
             ray.kill(eng.target.actor)

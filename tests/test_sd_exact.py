@@ -23,7 +23,8 @@ def run_case(target, draft, mode, params, seed, k=3, n=3, prompt=PROMPT):
     # n = 3 tokens: drafts of up to 2 (a round never drafts past max_tokens - 1), so chains and the bonus
     # token after them are verified, not only single-token drafts.
     exact = exact_continuation_probs(target, prompt, n, params)
-    with LLM(target=target, draft=draft, mode=mode, k=k, dtype="float32", max_batch=64, max_len=64) as llm:
+    with LLM(target=target, draft=draft, mode=mode, k=k, fanout=2 * (k + 1), dtype="float32", max_batch=64,
+             max_len=64) as llm:
         samples = sample_continuations(llm, prompt, n, params, N_SAMPLES, seed)
         st = llm.stats()
     return chi_square_pvalue(samples, exact), st

@@ -49,7 +49,7 @@ def test_ngram_acceptance_is_filed_under_the_verified_drafts_match(monkeypatch):
     target = random_model(vocab=12, layers=2, seed=3, scale=2.0)
     draft = random_model(vocab=12, layers=1, seed=9, scale=2.0)
     prompt = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 6, 1, 2, 3, 4]
-    with LLM(target=target, draft=draft, mode="ssd", k=3, backup="ngram", dtype="float32", max_batch=1,
+    with LLM(target=target, draft=draft, mode="ssd", k=3, fanout=8, backup="ngram", dtype="float32", max_batch=1,
              max_len=160, use_ray=False) as llm:
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     assert len(expected) >= 10 and len({m for m, _, _ in expected}) >= 2, expected
@@ -96,7 +96,7 @@ def test_sd_calibration_skips_rounds_that_verified_prepared_drafts(models, monke
     monkeypatch.setattr(ssd_mode.SSDMode, "_round", spy_round)
     monkeypatch.setattr(ssd_mode.SSDMode, "_record", spy_record)
     monkeypatch.setattr(CostModel, "observe_round", spy_observe)
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=1, max_len=160,
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, fanout=8, dtype="float32", max_batch=1, max_len=160,
              use_ray=False) as llm:
         llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     assert True in sd_rounds and False in sd_rounds, sd_rounds  # both kinds of SD round ran
@@ -119,7 +119,7 @@ def test_sd_rounds_draft_without_saguaro(models, monkeypatch):
 
     monkeypatch.setattr(ssd_mode.SSDMode, "_draft_call", spy_call)
     params = [SamplingParams(temperature=1.0, max_tokens=24, seed=i, ignore_eos=True) for i in range(3)]
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3, saguaro_c=0.5, dtype="float32", max_batch=3,
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, fanout=8, saguaro_c=0.5, dtype="float32", max_batch=3,
              max_len=96, use_ray=False) as llm:
         llm.generate([[1, 2, 3], [4, 5, 6], [7, 8, 9]], params)
     assert {c for c, _ in asks} == {"sd", "ssd_neural"}, asks
@@ -143,7 +143,8 @@ def test_no_next_draft_for_a_request_that_stops_this_round(models, monkeypatch):
         return resolve(self, outcomes, neural_backup, fanout, borrow)
 
     monkeypatch.setattr(DraftWorker, "resolve", spy_resolve)
-    with LLM(target=models[0], draft=models[1], mode="ssd", k=4, backup="neural", dtype="float32", max_batch=1,
+    with LLM(target=models[0], draft=models[1], mode="ssd", k=4, fanout=10, backup="neural", dtype="float32",
+             max_batch=1,
              max_len=160, use_ray=False) as llm:
         out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop]))[0]
     assert out.token_ids == full[: full.index(stop) + 1]
@@ -157,7 +158,8 @@ def test_draft_keeps_its_context_through_ar_rounds(models, monkeypatch):
     token may be lost there: with draft == target every SD draft after them is accepted whole."""
     cycle_policy(monkeypatch, ["ar", "ar", "ar", "sd"])
     prompts = [[1, 2, 3, 4], [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
-    with LLM(target=models[0], draft=models[0], mode="auto", k=3, core_loans=False, use_ray=False, dtype="float32",
+    with LLM(target=models[0], draft=models[0], mode="auto", k=3, fanout=8, core_loans=False, use_ray=False,
+             dtype="float32",
              max_batch=3, max_len=128) as llm:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
         st = llm.stats()
@@ -170,7 +172,7 @@ def test_drafts_stop_one_token_short_of_max_tokens(models, mode):
     """A round emits at most its draft + 1 tokens, so a draft never runs to max_tokens: a token drafted there
     would be verified only to be cut, and counted in the acceptance statistics."""
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    with LLM(target=models[0], draft=models[0], mode=mode, k=4, dtype="float32", max_batch=4, max_len=64,
+    with LLM(target=models[0], draft=models[0], mode=mode, k=4, fanout=10, dtype="float32", max_batch=4, max_len=64,
              use_ray=False) as llm:
         outs = llm.generate([[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]], params)
     for o in outs:  # draft == target: every drafted token accepted, so each round emits its draft + 1, none cut

@@ -10,7 +10,8 @@ from ssd import LLM, SamplingParams
 @pytest.mark.parametrize("k", [1, 4])
 def test_ssd_greedy_equals_ar(models, ar_outputs, backup, k):
     with LLM(
-        target=models[0], draft=models[1], mode="ssd", k=k, backup=backup, dtype="float32", max_batch=3, max_len=128
+        target=models[0], draft=models[1], mode="ssd", k=k, fanout=2 * (k + 1), backup=backup, dtype="float32",
+        max_batch=3, max_len=128
     ) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == ar_outputs
@@ -68,7 +69,8 @@ def test_auto_switching_through_every_option_greedy_equals_ar(models, ar_outputs
     """Every option of the policy, n-gram SD included, and every switch between them keeps greedy == AR."""
     cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ssd_fast", "sd", "ngram", "ar", "ssd_neural", "sd"])
     asked = force_ngram_speculation(monkeypatch, ngram_speculates)
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3, dtype="float32", max_batch=4, max_len=128) as llm:
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, fanout=8, dtype="float32", max_batch=4,
+             max_len=128) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == ar_outputs
         policy = llm.stats()["policy"]
@@ -106,7 +108,8 @@ def test_ngram_rounds_speculate_and_hit(models, monkeypatch, speculates):
 def test_draft_equal_to_target_hits_every_round(models):
     k = 4
     with LLM(
-        target=models[0], draft=models[0], mode="ssd", k=k, backup="neural", dtype="float32", max_batch=2,
+        target=models[0], draft=models[0], mode="ssd", k=k, fanout=2 * (k + 1), backup="neural", dtype="float32",
+        max_batch=2,
         max_len=160,
     ) as llm:
         n_rounds = 6
@@ -127,7 +130,7 @@ def test_ssd_seeded_sampling_reproducible_in_any_batch(models):
     sp = SamplingParams(temperature=0.9, max_tokens=12, seed=99, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=9, seed=5, ignore_eos=True)
     with LLM(
-        target=models[0], draft=models[1], mode="ssd", k=3, backup="neural", dtype="float32", max_batch=4,
+        target=models[0], draft=models[1], mode="ssd", k=3, fanout=8, backup="neural", dtype="float32", max_batch=4,
         max_len=128,
     ) as llm:
         alone = llm.generate([[1, 2]], sp)[0].token_ids
@@ -149,7 +152,7 @@ def test_ngram_rounds_speculate_only_on_short_drafts_that_fit(models):
     from ssd.policy import Ema, VerifyLine
     from ssd.workers.messages import Draft
 
-    with LLM(target=models[0], draft=models[1], mode="auto", k=3,
+    with LLM(target=models[0], draft=models[1], mode="auto", k=3, fanout=8,
              dtype="float32", max_batch=2, max_len=64, use_ray=False) as llm:
         mode = llm.engine.mode
         mode.cost.verify = VerifyLine(Ema(0.1), Ema(0.02))  # verifying n tokens: 0.1 + 0.02 n seconds
@@ -174,8 +177,8 @@ def test_greedy_hits_take_the_shipped_draft_without_waiting_for_resolve(models, 
         real(self)
 
     monkeypatch.setattr(SSDMode, "_settle_resolve", spy)
-    with LLM(target=models[0], draft=models[0], mode="ssd", k=3, backup="neural", dtype="float32", max_batch=2,
-             max_len=160) as llm:
+    with LLM(target=models[0], draft=models[0], mode="ssd", k=3, fanout=8, backup="neural", dtype="float32",
+             max_batch=2, max_len=160) as llm:
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     m = out.metrics
     assert m["cache_misses"] == 0 and m["rounds"] == 6

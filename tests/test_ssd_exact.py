@@ -34,23 +34,24 @@ def run_case(target, draft, params, seed, n=3, prompt=PROMPT, num=N_SAMPLES, mod
 
 
 CASES = {
-    "neural_c1": (dict(k=2, backup="neural", saguaro_c=1.0), SamplingParams(temperature=1.0)),
-    "neural_c05": (dict(k=2, backup="neural", saguaro_c=0.5), SamplingParams(temperature=1.0)),
-    "neural_c0_t07": (dict(k=2, backup="neural", saguaro_c=0.0), SamplingParams(temperature=0.7)),
+    "neural_c1": (dict(k=2, fanout=6, backup="neural", saguaro_c=1.0), SamplingParams(temperature=1.0)),
+    "neural_c05": (dict(k=2, fanout=6, backup="neural", saguaro_c=0.5), SamplingParams(temperature=1.0)),
+    "neural_c0_t07": (dict(k=2, fanout=6, backup="neural", saguaro_c=0.0), SamplingParams(temperature=0.7)),
     "ngram_c03_topk_topp": (
-        dict(k=2, backup="ngram", saguaro_c=0.3), SamplingParams(temperature=1.2, top_k=8, top_p=0.9)
+        dict(k=2, fanout=6, backup="ngram", saguaro_c=0.3), SamplingParams(temperature=1.2, top_k=8, top_p=0.9)
     ),
-    "random_backup": (dict(k=2, backup="random", saguaro_c=0.5), SamplingParams(temperature=1.0)),
+    "random_backup": (dict(k=2, fanout=6, backup="random", saguaro_c=0.5), SamplingParams(temperature=1.0)),
     # the batch-size-aware choice between the neural and the fast backup, per round
-    "auto_backup": (dict(k=2, backup="auto", saguaro_c=0.5), SamplingParams(temperature=1.0)),
+    "auto_backup": (dict(k=2, fanout=6, backup="auto", saguaro_c=0.5), SamplingParams(temperature=1.0)),
     "uniform_fanout": (dict(k=2, backup="neural", fanout_kind="uniform", fanout=6), SamplingParams(temperature=1.0)),
     # The draft proposes only tokens 0..7 (q = 0 for the rest): verification uses that q, so still exact.
     "restricted_draft_vocab": (
-        dict(k=2, backup="neural", saguaro_c=0.5, draft_vocab=8), SamplingParams(temperature=1.0)
+        dict(k=2, fanout=6, backup="neural", saguaro_c=0.5, draft_vocab=8), SamplingParams(temperature=1.0)
     ),
     # the draft restricted to ids 0..7 but proposing the prompt's 9 and 12 too (draft_vocab_context)
     "restricted_draft_vocab_context": (
-        dict(k=2, backup="neural", draft_vocab=8, prompt=[1, 9, 2, 12, 1, 9, 2]), SamplingParams(temperature=1.0)
+        dict(k=2, fanout=6, backup="neural", draft_vocab=8, prompt=[1, 9, 2, 12, 1, 9, 2]),
+        SamplingParams(temperature=1.0),
     ),
 }
 
@@ -90,7 +91,7 @@ def test_auto_switching_through_every_option_is_exact(target, draft, monkeypatch
 
     cycle_policy(monkeypatch, ["ssd_neural", "ngram", "ssd_fast", "sd", "ar", "ngram"])
     asked = force_ngram_speculation(monkeypatch, ngram_speculates)
-    p, st = run_case(target, draft, SamplingParams(temperature=1.0), seed=9, mode="auto", k=2, saguaro_c=0.5)
+    p, st = run_case(target, draft, SamplingParams(temperature=1.0), seed=9, mode="auto", k=2, fanout=6, saguaro_c=0.5)
     assert all(st["policy"].get(o, 0) > 10 for o in ("ssd_neural", "ssd_fast", "sd", "ngram", "ar")), st["policy"]
     assert len(asked) >= st["policy"]["ngram"]
     assert p > 1e-3, f"chi-square p-value {p:.2e}"
@@ -101,7 +102,8 @@ def test_saguaro_sampling_raises_hit_rate(target, draft):
     rates = []
     for c in (1.0, 0.0):
         _, st = run_case(
-            target, draft, SamplingParams(temperature=1.0), seed=1, num=1000, k=2, backup="neural", saguaro_c=c
+            target, draft, SamplingParams(temperature=1.0), seed=1, num=1000, k=2, fanout=6, backup="neural",
+            saguaro_c=c,
         )
         rates.append(st["cache_hit_rate"])
     assert rates[1] > rates[0] + 0.02, rates
@@ -149,8 +151,8 @@ def test_negative_control_shipped_q_unlike_the_sampled_one_is_caught(target, dra
         return tokens, probs
 
     monkeypatch.setattr(DraftWorker, "_sample", skewed)
-    p, _ = run_case(target, draft, SamplingParams(temperature=1.0), seed=len("neural_c05"), k=2, backup="neural",
-                    saguaro_c=0.5)
+    p, _ = run_case(target, draft, SamplingParams(temperature=1.0), seed=len("neural_c05"), k=2, fanout=6,
+                    backup="neural", saguaro_c=0.5)
     assert p < 1e-3, f"the test failed to catch a q unlike the sampled one (p={p:.2e})"
 
 
@@ -181,8 +183,8 @@ def run_hit_rounds(target, monkeypatch, saguaro_c: float) -> tuple[float, int, i
 
     events = hit_round_events(monkeypatch)
     params = SamplingParams(temperature=1.0)
-    with LLM(target=target, draft=target, mode="ssd", k=3, backup="neural", saguaro_c=saguaro_c, dtype="float32",
-             max_batch=64, max_len=96, use_ray=False) as llm:
+    with LLM(target=target, draft=target, mode="ssd", k=3, fanout=8, backup="neural", saguaro_c=saguaro_c,
+             dtype="float32", max_batch=64, max_len=96, use_ray=False) as llm:
         sample_continuations(llm, PROMPT, 8, params, 1500, seed=7)
     p, m = token_rank_pvalue(target, events, params)
     return p, m, sum(max(0, len(t) - 1) for _, t in events)

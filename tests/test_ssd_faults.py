@@ -64,7 +64,7 @@ def ar_outputs(models):
 @pytest.mark.parametrize("method,die_at", [("speculate", 2), ("resolve", 3), ("propose", 1)])
 def test_ssd_survives_draft_death(models, ar_outputs, method, die_at):
     target, draft = models
-    with LLM(target=target, draft=draft, mode="ssd", k=3, backup="neural", **COMMON) as llm:
+    with LLM(target=target, draft=draft, mode="ssd", k=3, fanout=8, backup="neural", **COMMON) as llm:
         mode = llm.engine.mode
         dying = dying_draft(draft, method, die_at)
         mode.draft = dying
@@ -84,7 +84,7 @@ def test_a_hung_or_failing_draft_is_replaced(models, ar_outputs, how, mode_name,
     it, exactly, and a fresh draft takes over."""
     target, draft = models
     kw = {"backup": "neural"} if mode_name == "ssd" else {}
-    with LLM(target=target, draft=draft, mode=mode_name, k=3, draft_timeout_s=0.3, **kw, **COMMON) as llm:
+    with LLM(target=target, draft=draft, mode=mode_name, k=3, fanout=8, draft_timeout_s=0.3, **kw, **COMMON) as llm:
         mode = llm.engine.mode
         assert mode.draft_timeout_s == 0.3
         mode.draft = dying_draft(draft, method, die_at, how)
@@ -126,7 +126,7 @@ def test_a_lost_target_fails_its_requests_and_a_fresh_one_serves_the_next(models
     """A target that dies or leaves a call unanswered past target_timeout_s fails the running requests with
     that error; the next round runs on a fresh target (RayHandle.restart), exactly as before."""
     target, draft = models
-    kw = {"draft": draft, "k": 3} if mode_name != "ar" else {}
+    kw = {"draft": draft, "k": 3, "fanout": 8} if mode_name != "ar" else {}
     with LLM(target=target, mode=mode_name, target_timeout_s=0.5, **kw, **COMMON) as llm:
         assert llm.engine.mode.target_timeout_s == 0.5
         h = _with_failing_target(llm, target, method=method, fail_at=fail_at, how=how)
@@ -142,7 +142,7 @@ def test_a_lost_target_fails_its_requests_and_a_fresh_one_serves_the_next(models
 
 def test_an_in_process_target_that_hangs_fails_every_request_and_refuses_new_ones(models):
     target, draft = models
-    with LLM(target=target, draft=draft, mode="ssd", k=3, target_timeout_s=0.3, **COMMON) as llm:
+    with LLM(target=target, draft=draft, mode="ssd", k=3, fanout=8, target_timeout_s=0.3, **COMMON) as llm:
         _with_failing_target(llm, target, method="verify", fail_at=2, how="hangs", restartable=False)
         done = llm.engine.make_sequence([1, 2, 3], GREEDY)
         waiting = [llm.engine.make_sequence(p, GREEDY) for p in PROMPTS]  # 3 run, 1 waits for a slot
@@ -210,7 +210,7 @@ def test_a_drafts_output_lost_on_its_way_to_the_target_is_a_draft_loss(models, a
     with the draft's WorkerDied. That is the draft's loss (rounds go on without it, exactly), not the target's."""
     target, draft = models
     kw = {"backup": "neural"} if mode_name == "ssd" else {}
-    with LLM(target=target, draft=draft, mode=mode_name, k=3, **kw, **COMMON) as llm:
+    with LLM(target=target, draft=draft, mode=mode_name, k=3, fanout=8, **kw, **COMMON) as llm:
         h = _with_failing_target(llm, target, method="verify", fail_at=0, how="dies")  # the target never fails
         h.call = _draft_lost_once(h.call)
         outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
@@ -253,7 +253,7 @@ def test_newcomers_behind_a_lost_admission_wait_for_the_fresh_target(models, ar_
     """The target dies admitting the second of three newcomers: the first (admitted) and the second fail with its
     error; the third never reached it and runs on the fresh target."""
     target, draft = models
-    with LLM(target=target, draft=draft, mode="ssd", k=3, backup="neural", **COMMON) as llm:
+    with LLM(target=target, draft=draft, mode="ssd", k=3, fanout=8, backup="neural", **COMMON) as llm:
         h = _with_failing_target(llm, target, method="add", fail_at=2, how="dies")
         outs = llm.generate(PROMPTS, GREEDY, raise_errors=False)
         h.shutdown()

@@ -71,7 +71,7 @@ def target():
 
 
 def _run(target, mode: str, params: SamplingParams, **kw):
-    extra = {"draft": target, "k": 4} if mode in ("sd", "ssd") else {}
+    extra = {"draft": target, "k": 4, "fanout": 10} if mode in ("sd", "ssd") else {}
     with LLM(target=target, mode=mode, dtype="float32", max_batch=2, max_len=128, use_ray=False, **extra,
              **kw) as llm:
         llm.engine.tokenizer = CharTokenizer()

@@ -77,7 +77,7 @@ def test_restricted_draft_greedy_equals_ar(models, ar_outputs, mode):
     left untouched (the worker restricts a copy)."""
     draft = models[1]
     head = draft.lm_head
-    with LLM(target=models[0], draft=draft, mode=mode, k=3, draft_vocab=20, dtype="float32", max_batch=3,
+    with LLM(target=models[0], draft=draft, mode=mode, k=3, fanout=8, draft_vocab=20, dtype="float32", max_batch=3,
              max_len=128) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
         st = llm.stats()
