@@ -32,14 +32,14 @@ from ssd.workers.draft_worker import LOOKAHEAD_BRANCHES
 log = logging.getLogger("ssd")
 
 DEFAULT_K = 4
-DEFAULT_FANOUT_PER_POSITION = 2
 
 
 def make_fanout_planner(cfg: Config, k: int) -> FanoutPlanner:
+    """The user's fan-out, or the budget make_mode's auto-configuration chose (SSD never runs without one)."""
     if isinstance(cfg.fanout, list):
         return FanoutPlanner(K=k, B=sum(cfg.fanout), explicit=list(cfg.fanout))
-    budget = cfg.fanout if isinstance(cfg.fanout, int) else DEFAULT_FANOUT_PER_POSITION * (k + 1)
-    return FanoutPlanner(K=k, B=budget, kind=cfg.fanout_kind)
+    assert isinstance(cfg.fanout, int), "make_mode auto-configures the budget the user left open"
+    return FanoutPlanner(K=k, B=cfg.fanout, kind=cfg.fanout_kind)
 
 
 def ranked_candidates(cfg: Config) -> bool:
